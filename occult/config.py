@@ -1,0 +1,302 @@
+"""Typed configuration: one small dataclass per stage, validated before any job runs.
+
+`load_config` reads YAML (or takes a dict, as Snakemake's `config`), checks it against
+`config/schema.yaml` (closed sections: unknown keys are errors) and then the facts a schema
+cannot express (experts divisible by devices, N_d * E / D >= k, the checkpoint exists).
+Every failure is one `ConfigError` whose message names the offending field.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
+VARIANT_RE = re.compile(r"^(raw|sft|prune(?P<nd>[0-9]+)-(?P<kind>router|sim))$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    sources: tuple[str, ...]
+    max_chars_per_source: int
+    heldout_fraction: float
+    vocab_size: int
+    instruction_pairs: int
+    eval_tasks: tuple[str, ...]
+    eval_examples: int | None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    source: str
+    checkpoint: str | None
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_experts: int
+    top_k: int
+    expert_ffn: int
+    max_seq_len: int
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+    warmup_steps: int
+    router_aux_loss: float
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    calibration_tokens: int
+    heldout_tokens: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    devices: tuple[int, ...]
+    methods: tuple[str, ...]
+    swap_rounds: int
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    devices: int
+    placement_method: str
+    variants: tuple[str, ...]
+    gate_weights: str
+    train_modules: str
+    steps: int
+    batch_size: int
+    seq_len: int
+    lr: float
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    devices: int
+    tokens_per_rank: tuple[int, ...]
+    repeats: int
+    warmup: int
+    cases: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    run: str
+    seed: int
+    data: DataConfig
+    model: ModelConfig
+    pretrain: PretrainConfig
+    profile: ProfileConfig
+    placement: PlacementConfig
+    finetune: FinetuneConfig
+    evaluate: EvaluateConfig
+    bench: BenchConfig
+    raw: dict = dataclasses.field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def num_experts(self) -> int:
+        return checkpoint_moe_shape(self.model)[0]
+
+    @property
+    def top_k(self) -> int:
+        return checkpoint_moe_shape(self.model)[1]
+
+    def hash(self) -> str:
+        """Short hash of the resolved configuration (recorded beside every result)."""
+        return config_hash(self.raw)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A fine-tuning variant: `raw`, `sft`, or `prune<N_d>-<router|sim>`."""
+
+    name: str
+    max_devices: int | None = None   # N_d; None = no pruning
+    method: str | None = None        # "router" | "sim"
+
+    @property
+    def trains(self) -> bool:
+        return self.name != "raw"
+
+
+def parse_variant(name: str) -> Variant:
+    m = VARIANT_RE.match(name)
+    if not m:
+        raise ConfigError(f"finetune.variants: {name!r} is not raw, sft or prune<N>-<router|sim>")
+    if m.group("nd") is None:
+        return Variant(name)
+    return Variant(name, int(m.group("nd")), m.group("kind"))
+
+
+def parse_bench_case(name: str) -> tuple[str, int | None]:
+    """`trivial`/`placed` → (name, None); `prune<N>` → ("prune", N)."""
+    if name.startswith("prune"):
+        return "prune", int(name[len("prune"):])
+    return name, None
+
+
+def config_hash(raw: dict) -> str:
+    return hashlib.sha256(json.dumps(raw, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def checkpoint_moe_shape(model: ModelConfig) -> tuple[int, int]:
+    """(num_experts, top_k) of the model: from the config for `scratch`, from config.json otherwise."""
+    if model.source == "scratch":
+        return model.num_experts, model.top_k
+    cfg_file = Path(model.checkpoint or "") / "config.json"
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"model.checkpoint: {cfg_file} does not exist") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"model.checkpoint: {cfg_file} is not valid JSON ({err})") from None
+    experts = hf.get("num_experts", hf.get("n_routed_experts"))
+    top_k = hf.get("num_experts_per_tok")
+    if not isinstance(experts, int) or not isinstance(top_k, int):
+        raise ConfigError(
+            f"model.checkpoint: {cfg_file} has no num_experts/n_routed_experts and num_experts_per_tok"
+        )
+    return experts, top_k
+
+
+def _schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _validate_schema(raw: dict) -> None:
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(_schema())
+    errors = sorted(validator.iter_errors(raw), key=lambda e: list(e.absolute_path))
+    if not errors:
+        return
+    err = errors[0]
+    field = ".".join(str(p) for p in err.absolute_path) or "<top level>"
+    if err.validator == "additionalProperties":
+        extra = sorted(set(err.instance) - set(err.schema.get("properties", {})))
+        prefix = f"{field}." if err.absolute_path else ""
+        raise ConfigError(f"{prefix}{extra[0]}: unknown key (allowed: {', '.join(err.schema['properties'])})")
+    raise ConfigError(f"{field}: {err.message}")
+
+
+def _check_semantics(cfg: Config) -> None:
+    m = cfg.model
+    if m.source == "checkpoint":
+        if not m.checkpoint:
+            raise ConfigError("model.checkpoint: required when model.source is 'checkpoint'")
+        if not Path(m.checkpoint).is_dir():
+            raise ConfigError(f"model.checkpoint: {m.checkpoint} is not a directory")
+    elif m.hidden_size % m.num_heads:
+        raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
+    experts, top_k = checkpoint_moe_shape(m)
+    if top_k > experts:
+        raise ConfigError(f"model.top_k: {top_k} exceeds model.num_experts {experts}")
+    for field, devices in [
+        *[("placement.devices", d) for d in cfg.placement.devices],
+        ("finetune.devices", cfg.finetune.devices),
+        ("bench.devices", cfg.bench.devices),
+    ]:
+        if experts % devices:
+            raise ConfigError(f"{field}: {experts} experts are not divisible by {devices} devices")
+    if cfg.finetune.placement_method not in cfg.placement.methods:
+        raise ConfigError(
+            f"finetune.placement_method: {cfg.finetune.placement_method!r} is not in placement.methods"
+        )
+    if cfg.finetune.devices not in cfg.placement.devices:
+        raise ConfigError(f"finetune.devices: {cfg.finetune.devices} is not in placement.devices")
+    if cfg.bench.devices not in cfg.placement.devices:
+        raise ConfigError(f"bench.devices: {cfg.bench.devices} is not in placement.devices")
+    for name in cfg.finetune.variants:
+        v = parse_variant(name)
+        if v.max_devices is not None:
+            _check_prune(f"finetune.variants: {name}", v.max_devices, experts, top_k, cfg.finetune.devices)
+    for name in cfg.bench.cases:
+        kind, nd = parse_bench_case(name)
+        if nd is not None:
+            _check_prune(f"bench.cases: {name}", nd, experts, top_k, cfg.bench.devices)
+
+
+def _check_prune(field: str, nd: int, experts: int, top_k: int, devices: int) -> None:
+    if nd < 1:
+        raise ConfigError(f"{field}: N_d must be at least 1")
+    if nd * experts // devices < top_k:
+        raise ConfigError(
+            f"{field}: N_d*E/D = {nd}*{experts}/{devices} = {nd * experts // devices} < top_k {top_k}; "
+            "pruned tokens could not keep k experts"
+        )
+
+
+def _section(cls, raw: dict):
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        value = raw[f.name]
+        kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**kwargs)
+
+
+def load_config(source: str | Path | dict, overrides: dict | None = None) -> Config:
+    """Load, validate and type a configuration from a YAML path or a dict."""
+    if isinstance(source, dict):
+        raw = copy.deepcopy(source)
+    else:
+        path = Path(source)
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if overrides:
+        raw = merge(raw, overrides)
+    if not isinstance(raw, dict):
+        raise ConfigError("<top level>: the configuration must be a mapping")
+    _validate_schema(raw)
+    cfg = Config(
+        run=raw["run"],
+        seed=raw["seed"],
+        data=_section(DataConfig, raw["data"]),
+        model=_section(ModelConfig, raw["model"]),
+        pretrain=_section(PretrainConfig, raw["pretrain"]),
+        profile=_section(ProfileConfig, raw["profile"]),
+        placement=_section(PlacementConfig, raw["placement"]),
+        finetune=_section(FinetuneConfig, raw["finetune"]),
+        evaluate=_section(EvaluateConfig, raw["evaluate"]),
+        bench=_section(BenchConfig, raw["bench"]),
+        raw=raw,
+    )
+    _check_semantics(cfg)
+    return cfg
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Recursive dict merge (presets on top of the default)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

@@ -1,0 +1,1 @@
+"""Expert-parallel runtime: BRIM dispatch/combine with dedup and per-expert modes."""

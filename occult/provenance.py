@@ -1,0 +1,118 @@
+"""Provenance and atomic output: every result records where it came from.
+
+`provenance(cfg)` gives the git commit, resolved-config hash, package versions, hardware and
+seed. `atomic_path(path)` yields a temporary path beside `path` and renames it into place only
+when the block finishes, so a killed job never leaves a half-written output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Iterator
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("torch", "triton", "transformers", "lm_eval", "snakemake", "pandas", "numpy")
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()
+        return out + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("OCCULT_COMMIT", "unknown")
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
+
+
+def hardware() -> dict[str, Any]:
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+            info["gpu_count"] = torch.cuda.device_count()
+    except ImportError:
+        pass
+    return info
+
+
+def provenance(config_hash: str | None = None, seed: int | None = None, **extra: Any) -> dict[str, Any]:
+    return {
+        "commit": git_commit(),
+        "config_hash": config_hash,
+        "seed": seed,
+        "versions": package_versions(),
+        "hardware": hardware(),
+        "python": platform.python_version(),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **extra,
+    }
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary sibling of `path`; move it onto `path` only on success."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            if tmp.is_dir():
+                import shutil
+
+                shutil.rmtree(tmp)
+            else:
+                tmp.unlink()
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def write_csv(path: str | Path, frame, meta: dict[str, Any] | None = None) -> None:
+    """Write a pandas frame; `meta` goes to a `<path>.meta.json` sidecar."""
+    with atomic_path(path) as tmp:
+        frame.to_csv(tmp, index=False, float_format="%.6g")
+    if meta is not None:
+        write_json(Path(str(path) + ".meta.json"), meta)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+    import torch
+
+    torch.manual_seed(seed)
