@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -81,12 +82,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         yield tmp
+        if tmp.is_dir() and path.is_dir():
+            shutil.rmtree(path)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
             if tmp.is_dir():
-                import shutil
-
                 shutil.rmtree(tmp)
             else:
                 tmp.unlink()

@@ -1,0 +1,28 @@
+# occult: the Occult study (ICML 2025) as one DAG. `snakemake --cores all` runs the embedded
+# default (config/config.yaml); presets: `--configfile config/presets/<name>.yaml`.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+include: "workflow/rules/model.smk"
+include: "workflow/rules/profile.smk"
+include: "workflow/rules/placement.smk"
+include: "workflow/rules/finetune.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/bench.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        final_outputs(),
+    default_target: True

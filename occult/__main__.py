@@ -1,0 +1,5 @@
+import sys
+
+from occult.cli import main
+
+sys.exit(main())

@@ -1,0 +1,417 @@
+"""Expert placement: balanced expert → device maps that keep collaborating experts together.
+
+A placement of one layer is `device_of_expert` [E], values in [0, D), each device holding exactly
+E/D experts. A token routed to top-k experts is sent once per distinct device of its experts:
+its collaboration count C_T. Placement never changes routing, only where expert weights live,
+so any placement is exact; the best ones minimise E[C_T] over tokens.
+
+Methods:
+- `contiguous`: expert e on device e // (E/D) (what plain EP does).
+- `greedy`: the paper's Algorithm 1 on the pairwise co-activation matrix.
+- `swap`: local search from `greedy` that lowers the k-way objective E[C_T] on a calibration
+  routing trace directly; judged on a held-out trace.
+
+`run_placement` is the pipeline stage: profile → `D{D}_{method}.json` per (D, method) and one long
+table of E[C_T], its bounds, device load balance and the share of intra-device pairs.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from occult.config import Config
+from occult.provenance import provenance, write_csv, write_json
+
+METHODS = ("contiguous", "greedy", "swap")
+
+
+class PlacementFileError(ValueError):
+    """A profile, routing trace or placement file is missing or malformed; the message names it."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+
+
+def ct_bounds(num_experts: int, top_k: int, num_devices: int) -> tuple[int, int]:
+    """Bounds on one token's C_T for any balanced placement: ⌈k / (E/D)⌉ ≤ C_T ≤ min(k, D)."""
+    per_device = _experts_per_device(num_experts, num_devices)
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must lie in [1, num_experts={num_experts}]")
+    return math.ceil(top_k / per_device), min(top_k, num_devices)
+
+
+def collaboration_count(ids_NK: np.ndarray, device_of_expert: np.ndarray) -> np.ndarray:
+    """C_T per token: the number of distinct devices among its experts ([N] int64)."""
+    ids_NK = _as_ids(ids_NK, len(device_of_expert))
+    if ids_NK.shape[1] == 0:
+        return np.zeros(len(ids_NK), dtype=np.int64)
+    dev_NK = np.sort(np.asarray(device_of_expert)[ids_NK], axis=1)
+    return 1 + np.count_nonzero(np.diff(dev_NK, axis=1), axis=1).astype(np.int64)
+
+
+def expected_ct(ids_NK: np.ndarray, device_of_expert: np.ndarray) -> float:
+    """E[C_T]: mean collaboration count over tokens."""
+    counts_N = collaboration_count(ids_NK, device_of_expert)
+    if len(counts_N) == 0:
+        raise ValueError("expected_ct: the routing trace has no tokens")
+    return float(counts_N.mean())
+
+
+def device_counts(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int) -> np.ndarray:
+    """[N, D] number of each token's experts on each device."""
+    ids_NK = _as_ids(ids_NK, len(device_of_expert))
+    num_tokens = len(ids_NK)
+    flat = (np.arange(num_tokens)[:, None] * num_devices + np.asarray(device_of_expert)[ids_NK]).ravel()
+    return np.bincount(flat, minlength=num_tokens * num_devices).reshape(num_tokens, num_devices)
+
+
+def max_device_load_over_mean(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int) -> float:
+    """Load imbalance: the busiest device's (token, expert) assignments over the mean per device."""
+    load_D = device_counts(ids_NK, device_of_expert, num_devices).sum(axis=0)
+    return float(load_D.max() / load_D.mean())
+
+
+def intra_device_pair_fraction(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int) -> float:
+    """Share of co-activated expert pairs (two experts of one token) that sit on one device."""
+    top_k = np.asarray(ids_NK).shape[1]
+    if top_k < 2:
+        return 1.0
+    cnt_ND = device_counts(ids_NK, device_of_expert, num_devices)
+    intra = (cnt_ND * (cnt_ND - 1) // 2).sum()
+    return float(intra / (len(cnt_ND) * top_k * (top_k - 1) // 2))
+
+
+# ----------------------------------------------------------------------------------------------
+# Placements
+
+
+def contiguous(num_experts: int, num_devices: int) -> np.ndarray:
+    """Expert e on device e // (E/D)."""
+    per_device = _experts_per_device(num_experts, num_devices)
+    return np.arange(num_experts, dtype=np.int64) // per_device
+
+
+def greedy_occult(coact_EE: np.ndarray, num_devices: int) -> np.ndarray:
+    """The paper's Algorithm 1: greedy balanced grouping by pairwise collaboration.
+
+    Devices are filled one after another. Device 0 starts from the most-collaborating pair; each
+    later device starts from the unplaced expert whose mean collaboration with all experts placed
+    so far is lowest. A device is then filled, up to E/D experts, by repeatedly adding the unplaced
+    expert of highest mean collaboration with the experts already on it. The diagonal (an expert's
+    own load) is ignored and the matrix is symmetrised; ties go to the lowest expert index. The
+    input is not modified.
+    """
+    coact_EE = np.asarray(coact_EE)
+    if coact_EE.ndim != 2 or coact_EE.shape[0] != coact_EE.shape[1]:
+        raise ValueError(f"coact_EE must be a square matrix, got shape {coact_EE.shape}")
+    num_experts = coact_EE.shape[0]
+    per_device = _experts_per_device(num_experts, num_devices)
+    collab_EE = coact_EE.astype(np.float64)           # a copy: the input stays untouched
+    collab_EE = (collab_EE + collab_EE.T) / 2
+    np.fill_diagonal(collab_EE, 0.0)
+
+    device_of_expert = np.full(num_experts, -1, dtype=np.int64)
+    for device in range(num_devices):
+        unplaced = np.flatnonzero(device_of_expert < 0)
+        placed = np.flatnonzero(device_of_expert >= 0)
+        if device == 0 and per_device >= 2:
+            upper = np.triu(np.ones((num_experts, num_experts), dtype=bool), k=1)
+            flat = int(np.argmax(np.where(upper, collab_EE, -np.inf)))     # row-major: lowest index
+            members = list(divmod(flat, num_experts))
+        elif device == 0:
+            members = [0]
+        else:
+            mean_to_placed = collab_EE[np.ix_(unplaced, placed)].mean(axis=1)
+            members = [int(unplaced[np.argmin(mean_to_placed)])]
+        device_of_expert[members] = device
+        while len(members) < per_device:
+            unplaced = np.flatnonzero(device_of_expert < 0)
+            mean_to_device = collab_EE[np.ix_(unplaced, members)].mean(axis=1)
+            best = int(unplaced[np.argmax(mean_to_device)])
+            device_of_expert[best] = device
+            members.append(best)
+    return device_of_expert
+
+
+def swap_search(ids_NK: np.ndarray, num_devices: int, init: np.ndarray, rounds: int, seed: int) -> np.ndarray:
+    """Pairwise-swap local search that minimises E[C_T] on a routing trace (k-way objective).
+
+    Each pass visits every expert a (in a seeded random order), evaluates swapping it with every
+    expert b on another device, and applies the best swap if it strictly lowers the total C_T.
+    At most `rounds` passes; stops after a pass with no improvement. Balance is kept by
+    construction. The swap delta is exact and computed from per-token per-device counts:
+
+        Δ(a→q, b→p) = M[a, q] + M[b, p] + X[a, b],
+        M[e, q]   = #{t ∋ e : cnt[t, q] = 0} − #{t ∋ e : cnt[t, dev e] = 1}
+        X[a, b]   = Σ_{t ∋ a, b} ([cnt[t, p] = 1] + [cnt[t, q] = 1])   (tokens holding both: no change)
+
+    The tables behind M are updated only on the tokens touched by an accepted swap.
+    """
+    ids_NK = _as_ids(ids_NK, len(init))
+    _check_distinct_rows(ids_NK)
+    num_experts = len(init)
+    device_of_expert = _validated_placement(np.asarray(init, dtype=np.int64), num_experts, num_devices, "init")
+    if rounds < 0:
+        raise ValueError(f"rounds must be non-negative, got {rounds}")
+    num_tokens, top_k = ids_NK.shape
+    if num_tokens == 0 or top_k < 2 or num_devices < 2:
+        return device_of_expert
+
+    expert_flat = ids_NK.ravel()
+    token_flat = np.repeat(np.arange(num_tokens), top_k)
+    order = np.argsort(expert_flat, kind="stable")
+    bounds = np.searchsorted(expert_flat[order], np.arange(num_experts + 1))
+    tokens_of_expert = [token_flat[order[bounds[e]:bounds[e + 1]]] for e in range(num_experts)]
+
+    cnt_ND = device_counts(ids_NK, device_of_expert, num_devices)
+
+    def tables(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Contributions of `tokens` to zeros_ED[e, q] = #{t ∋ e: cnt[t,q]=0} and alone_E[e] = #{t ∋ e: cnt[t,dev e]=1}."""
+        ids_tK = ids_NK[tokens]
+        cnt_tD = cnt_ND[tokens]
+        experts = ids_tK.ravel()
+        zeros_ED = np.empty((num_experts, num_devices), dtype=np.int64)
+        for q in range(num_devices):
+            weights = np.repeat(cnt_tD[:, q] == 0, top_k)
+            zeros_ED[:, q] = np.bincount(experts, weights=weights, minlength=num_experts)
+        alone_tK = np.take_along_axis(cnt_tD, device_of_expert[ids_tK], axis=1) == 1
+        alone_E = np.bincount(experts, weights=alone_tK.ravel(), minlength=num_experts).astype(np.int64)
+        return zeros_ED, alone_E
+
+    zeros_ED, alone_E = tables(np.arange(num_tokens))
+    rng = np.random.default_rng(seed)
+    for _ in range(rounds):
+        improved = False
+        for a in rng.permutation(num_experts):
+            p = device_of_expert[a]
+            tokens_a = tokens_of_expert[a]
+            gain_ED = zeros_ED - alone_E[:, None]                   # M[e, q]
+            ids_aK = ids_NK[tokens_a]
+            one_aD = cnt_ND[tokens_a] == 1
+            both_weight_aK = one_aD[:, p][:, None].astype(np.int64) + np.take_along_axis(
+                one_aD, device_of_expert[ids_aK], axis=1).astype(np.int64)
+            shared_E = np.bincount(ids_aK.ravel(), weights=both_weight_aK.ravel(), minlength=num_experts)
+            delta_E = gain_ED[a, device_of_expert] + gain_ED[:, p] + shared_E
+            delta_E[device_of_expert == p] = np.inf                 # same device (a itself included)
+            b = int(np.argmin(delta_E))
+            if not delta_E[b] < 0:
+                continue
+            q = device_of_expert[b]
+            touched = np.union1d(tokens_a, tokens_of_expert[b])
+            old_zeros, old_alone = tables(touched)
+            cnt_ND[tokens_a, p] -= 1
+            cnt_ND[tokens_a, q] += 1
+            cnt_ND[tokens_of_expert[b], q] -= 1
+            cnt_ND[tokens_of_expert[b], p] += 1
+            device_of_expert[a], device_of_expert[b] = q, p
+            new_zeros, new_alone = tables(touched)
+            zeros_ED += new_zeros - old_zeros
+            alone_E += new_alone - old_alone
+            improved = True
+        if not improved:
+            break
+    return device_of_expert
+
+
+def place(method: str, coact_EE: np.ndarray, ids_calib_NK: np.ndarray, num_devices: int,
+          swap_rounds: int, seed: int) -> np.ndarray:
+    """One layer's placement by method name: `contiguous`, `greedy`, or `swap` (from greedy)."""
+    num_experts = np.asarray(coact_EE).shape[0]
+    if method == "contiguous":
+        return contiguous(num_experts, num_devices)
+    if method == "greedy":
+        return greedy_occult(coact_EE, num_devices)
+    if method == "swap":
+        return swap_search(ids_calib_NK, num_devices, greedy_occult(coact_EE, num_devices), swap_rounds, seed)
+    raise ValueError(f"placement method {method!r} is not one of {', '.join(METHODS)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pipeline stage
+
+
+def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path) -> None:
+    """Place every profiled layer for each D in `cfg.placement.devices` and each method.
+
+    Reads `profile.npz`, `routing_calibration.npz` and `routing_heldout.npz` from `profile_dir`;
+    writes `out_dir/D{D}_{method}.json` and the long table `table_csv` (+ `.meta.json` sidecar).
+    """
+    import pandas as pd
+
+    profile_dir, out_dir = Path(profile_dir), Path(out_dir)
+    coact_LEE, layers = load_profile_coactivation(profile_dir / "profile.npz")
+    num_experts = coact_LEE.shape[1]
+    calib_LNK = load_routing(profile_dir / "routing_calibration.npz", layers, num_experts)
+    heldout_LNK = load_routing(profile_dir / "routing_heldout.npz", layers, num_experts)
+    top_k = calib_LNK.shape[2]
+    if heldout_LNK.shape[2] != top_k:
+        raise PlacementFileError(
+            f"{profile_dir / 'routing_heldout.npz'}: top-k {heldout_LNK.shape[2]} differs from the "
+            f"calibration trace's {top_k}")
+    if (num_experts, top_k) != (cfg.num_experts, cfg.top_k):
+        raise PlacementFileError(
+            f"{profile_dir / 'profile.npz'}: profiled E={num_experts}, k={top_k} but the model config "
+            f"has E={cfg.num_experts}, k={cfg.top_k}")
+    pcfg = cfg.placement
+    for method in pcfg.methods:
+        if method not in METHODS:
+            raise ValueError(f"placement.methods: {method!r} is not one of {', '.join(METHODS)}")
+
+    meta = provenance(cfg.hash(), cfg.seed, stage="placement")
+    rows: list[dict[str, Any]] = []
+    jobs = [(d, m) for d in pcfg.devices for m in pcfg.methods]
+    with tqdm(total=len(jobs) * len(layers), desc="placement", unit="layer") as bar:
+        for num_devices, method in jobs:
+            lower, upper = ct_bounds(num_experts, top_k, num_devices)
+            placements = []
+            method_rows = []
+            for i, layer in enumerate(layers):
+                device_of_expert = place(method, coact_LEE[i], calib_LNK[i], num_devices,
+                                         pcfg.swap_rounds, cfg.seed + i)
+                placements.append(device_of_expert)
+                method_rows.append({
+                    "D": num_devices, "method": method, "layer": str(layer),
+                    "expected_ct_heldout": expected_ct(heldout_LNK[i], device_of_expert),
+                    "expected_ct_calibration": expected_ct(calib_LNK[i], device_of_expert),
+                    "lower_bound": lower, "upper_bound": upper,
+                    "max_device_load_over_mean": max_device_load_over_mean(
+                        heldout_LNK[i], device_of_expert, num_devices),
+                    "intra_device_pair_fraction": intra_device_pair_fraction(
+                        heldout_LNK[i], device_of_expert, num_devices),
+                })
+                bar.update(1)
+            frame = pd.DataFrame(method_rows)
+            numeric = frame.drop(columns=["D", "method", "layer"]).mean()
+            rows += method_rows + [{"D": num_devices, "method": method, "layer": "mean", **numeric.to_dict()}]
+            write_json(out_dir / f"D{num_devices}_{method}.json", {
+                "devices": num_devices,
+                "method": method,
+                "num_experts": num_experts,
+                "top_k": top_k,
+                "layers": [int(layer) for layer in layers],
+                "device_of_expert": [p.tolist() for p in placements],
+                "expected_ct_heldout": [r["expected_ct_heldout"] for r in method_rows],
+                "provenance": meta,
+            })
+    write_csv(table_csv, pd.DataFrame(rows), meta=meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Files
+
+
+def load_profile_coactivation(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """`coactivation` [L, E, E] and `layers` [L] of a profile, checked against `load` [L, E]."""
+    arrays = _load_npz(path, ("coactivation", "load", "layers"))
+    coact, load, layers = arrays["coactivation"], arrays["load"], arrays["layers"]
+    if coact.ndim != 3 or coact.shape[1] != coact.shape[2] or coact.shape[1] == 0:
+        raise PlacementFileError(f"{path}: 'coactivation' must have shape [L, E, E], got {coact.shape}")
+    num_layers, num_experts = coact.shape[:2]
+    if layers.shape != (num_layers,):
+        raise PlacementFileError(f"{path}: 'layers' must have shape [{num_layers}], got {layers.shape}")
+    if load.shape != (num_layers, num_experts):
+        raise PlacementFileError(f"{path}: 'load' must have shape [{num_layers}, {num_experts}], got {load.shape}")
+    if not np.issubdtype(coact.dtype, np.number) or not np.all(np.isfinite(coact)) or (coact < 0).any():
+        raise PlacementFileError(f"{path}: 'coactivation' must hold finite non-negative counts")
+    return coact, layers.astype(np.int64)
+
+
+def load_routing(path: Path, layers: np.ndarray, num_experts: int) -> np.ndarray:
+    """Routing trace `ids` [L, N, k] (int64), checked against the profile's layers and E."""
+    arrays = _load_npz(path, ("ids", "layers"))
+    ids, trace_layers = arrays["ids"], arrays["layers"]
+    if ids.ndim != 3 or ids.shape[0] != len(layers) or ids.shape[1] == 0 or ids.shape[2] == 0:
+        raise PlacementFileError(f"{path}: 'ids' must have shape [L={len(layers)}, N>0, k>0], got {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise PlacementFileError(f"{path}: 'ids' must be integers, got {ids.dtype}")
+    if not np.array_equal(trace_layers.astype(np.int64), layers):
+        raise PlacementFileError(f"{path}: 'layers' {trace_layers.tolist()} differ from the profile's {layers.tolist()}")
+    if ids.min() < 0 or ids.max() >= num_experts:
+        raise PlacementFileError(f"{path}: expert ids must lie in [0, {num_experts})")
+    return ids.astype(np.int64)
+
+
+def load_placement_layers(path: Path, num_experts: int | None = None,
+                          num_devices: int | None = None) -> tuple[list[int], np.ndarray]:
+    """(layers, device_of_expert [L, E]) of a placement JSON, validated; errors name the file."""
+    import json
+
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise PlacementFileError(f"{path}: placement file does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PlacementFileError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(doc, dict) or not {"devices", "layers", "device_of_expert"} <= doc.keys():
+        raise PlacementFileError(f"{path}: needs keys 'devices', 'layers' and 'device_of_expert'")
+    devices = doc["devices"]
+    if not isinstance(devices, int) or devices < 1:
+        raise PlacementFileError(f"{path}: 'devices' must be a positive integer, got {devices!r}")
+    if num_devices is not None and devices != num_devices:
+        raise PlacementFileError(f"{path}: placement is for D={devices}, expected D={num_devices}")
+    try:
+        table = np.asarray(doc["device_of_expert"], dtype=np.int64)
+        layers = [int(layer) for layer in doc["layers"]]
+    except (TypeError, ValueError):
+        raise PlacementFileError(f"{path}: 'device_of_expert' must be an [L, E] integer table") from None
+    expected_e = num_experts if num_experts is not None else doc.get("num_experts")
+    if table.ndim != 2 or table.shape[0] != len(layers) or table.shape[1] == 0:
+        raise PlacementFileError(
+            f"{path}: 'device_of_expert' must have shape [L={len(layers)}, E], got {table.shape}")
+    if expected_e is not None and table.shape[1] != expected_e:
+        raise PlacementFileError(f"{path}: placement has E={table.shape[1]} experts, expected {expected_e}")
+    for layer, row in zip(layers, table):
+        try:
+            _validated_placement(row, table.shape[1], devices, "device_of_expert")
+        except ValueError as err:
+            raise PlacementFileError(f"{path}: layer {layer}: {err}") from None
+    return layers, table
+
+
+def load_placement(path: Path, num_experts: int | None = None, num_devices: int | None = None) -> np.ndarray:
+    """device_of_expert [L, E] of a placement JSON, validated (balanced, in range, right E)."""
+    return load_placement_layers(path, num_experts, num_devices)[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _experts_per_device(num_experts: int, num_devices: int) -> int:
+    if num_devices < 1 or num_experts < 1 or num_experts % num_devices:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over {num_devices} devices")
+    return num_experts // num_devices
+
+
+def _as_ids(ids_NK: np.ndarray, num_experts: int) -> np.ndarray:
+    ids_NK = np.asarray(ids_NK)
+    if ids_NK.ndim != 2 or not np.issubdtype(ids_NK.dtype, np.integer):
+        raise ValueError(f"ids_NK must be a 2-D integer array, got {ids_NK.dtype} {ids_NK.shape}")
+    if ids_NK.size and (ids_NK.min() < 0 or ids_NK.max() >= num_experts):
+        raise ValueError(f"ids_NK: expert ids must lie in [0, {num_experts})")
+    return ids_NK.astype(np.int64, copy=False)
+
+
+def _check_distinct_rows(ids_NK: np.ndarray) -> None:
+    sorted_NK = np.sort(ids_NK, axis=1)
+    if (np.diff(sorted_NK, axis=1) == 0).any():
+        raise ValueError("ids_NK: a token lists the same expert twice")
+
+
+def _validated_placement(device_of_expert: np.ndarray, num_experts: int, num_devices: int, name: str) -> np.ndarray:
+    per_device = _experts_per_device(num_experts, num_devices)
+    if device_of_expert.shape != (num_experts,):
+        raise ValueError(f"{name}: expected {num_experts} experts, got shape {device_of_expert.shape}")
+    if device_of_expert.min() < 0 or device_of_expert.max() >= num_devices:
+        raise ValueError(f"{name}: devices must lie in [0, {num_devices})")
+    per_device_D = np.bincount(device_of_expert, minlength=num_devices)
+    if (per_device_D != per_device).any():
+        raise ValueError(f"{name}: not balanced, experts per device {per_device_D.tolist()} (want {per_device} each)")
+    return device_of_expert.copy()

@@ -1,0 +1,68 @@
+"""Config validation: each bad value gives one ConfigError naming the offending field."""
+
+import json
+
+import pytest
+import yaml
+
+from occult.config import ConfigError, load_config, merge, parse_variant
+
+DEFAULT = yaml.safe_load(open("config/config.yaml"))
+
+
+def bad(override: dict, field: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(merge(DEFAULT, override))
+    assert field in str(err.value), str(err.value)
+
+
+def test_default_loads_and_hashes_stably():
+    a, b = load_config("config/config.yaml"), load_config(DEFAULT)
+    assert a.hash() == b.hash() and a.num_experts == 16 and a.top_k == 4
+    assert load_config(merge(DEFAULT, {"seed": 1})).hash() != a.hash()
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mini"])
+def test_presets_load(preset):
+    cfg = load_config(merge(DEFAULT, yaml.safe_load(open(f"config/presets/{preset}.yaml"))))
+    assert cfg.run == preset
+
+
+def test_unknown_key_is_named():
+    bad({"model": {"hiden_size": 3}}, "model.hiden_size")
+    bad({"colour": 1}, "colour")
+
+
+def test_type_error_is_named():
+    bad({"pretrain": {"lr": "fast"}}, "pretrain.lr")
+
+
+def test_experts_not_divisible_by_devices():
+    bad({"placement": {"devices": [2, 3]}}, "placement.devices")
+    bad({"bench": {"devices": 3}}, "bench.devices")
+
+
+def test_pruning_needs_enough_experts_per_device_set():
+    # E=16, k=4, D=8: two experts per device, so N_d=1 leaves 2 < k experts
+    bad({"finetune": {"devices": 8}}, "finetune.variants: prune1")
+    bad({"bench": {"devices": 8, "cases": ["prune1"]}}, "bench.cases: prune1")
+
+
+def test_missing_checkpoint_is_named(tmp_path):
+    bad({"model": {"source": "checkpoint", "checkpoint": str(tmp_path / "nope")}}, "model.checkpoint")
+    bad({"model": {"source": "checkpoint"}}, "model.checkpoint")
+
+
+def test_checkpoint_shape_read_from_config_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 64, "num_experts_per_tok": 8}))
+    cfg = load_config(merge(DEFAULT, {"model": {"source": "checkpoint", "checkpoint": str(tmp_path)}}))
+    assert (cfg.num_experts, cfg.top_k) == (64, 8)
+    (tmp_path / "config.json").write_text("{")
+    bad({"model": {"source": "checkpoint", "checkpoint": str(tmp_path)}}, "model.checkpoint")
+
+
+def test_variant_names():
+    assert parse_variant("prune2-sim").max_devices == 2
+    assert parse_variant("sft").max_devices is None
+    with pytest.raises(ConfigError, match="finetune.variants"):
+        parse_variant("prune-x")

@@ -1,0 +1,64 @@
+# Config validation (before any job runs) and the paths every rule shares.
+import json
+from pathlib import Path
+
+from snakemake.exceptions import WorkflowError
+
+from occult.config import ConfigError, load_config
+
+try:
+    CFG = load_config(config)
+except ConfigError as err:
+    raise WorkflowError(f"config error: {err}") from None
+
+RUN = CFG.run
+WORK = f"work/{RUN}"
+RESULTS = f"results/{RUN}"
+FIGURES = f"figures/{RUN}"
+RESOLVED_CONFIG = f"{WORK}/config.yaml"
+PLACEMENT_FILES = [
+    f"{RESULTS}/placement/D{d}_{m}.json" for d in CFG.placement.devices for m in CFG.placement.methods
+]
+VARIANTS = list(CFG.finetune.variants)
+
+wildcard_constraints:
+    variant="|".join(VARIANTS),
+
+
+def _write_resolved_config() -> None:
+    """Write the validated config for the CLI; rewrite only on change so mtimes stay stable."""
+    import yaml
+
+    path = Path(RESOLVED_CONFIG)
+    text = yaml.safe_dump(CFG.raw, sort_keys=False)
+    if not path.exists() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+_write_resolved_config()
+
+
+def settings(*sections: str) -> str:
+    """The config sections a rule depends on, as a params value: editing them reruns the rule."""
+    return json.dumps({s: CFG.raw[s] for s in sections}, sort_keys=True)
+
+
+def variant_model(wildcards):
+    """The checkpoint a variant is evaluated from: the base model for `raw`."""
+    if wildcards.variant == "raw":
+        return f"{WORK}/model/base"
+    return f"{WORK}/finetune/{wildcards.variant}"
+
+
+def final_outputs() -> list[str]:
+    return [
+        f"{RESULTS}/tables/ct_ablation.csv",
+        f"{RESULTS}/tables/accuracy.csv",
+        f"{RESULTS}/tables/placement_summary.csv",
+        f"{FIGURES}/ct_ablation.png",
+        f"{FIGURES}/latency_vs_ct.png",
+        f"{FIGURES}/accuracy.png",
+        f"{FIGURES}/coactivation_heatmaps.png",
+        f"{FIGURES}/expected_ct_vs_devices.png",
+    ]

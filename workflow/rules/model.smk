@@ -1,0 +1,42 @@
+if CFG.model.source == "scratch":
+
+    rule pretrain_model:
+        input:
+            manifest=rules.build_data.output.manifest,
+        output:
+            model=directory(f"{WORK}/model/base"),
+            loss=report(f"{RESULTS}/model/pretrain_log.csv", category="Model", caption="../report/pretrain.rst"),
+            structure=f"{RESULTS}/model/router_structure.json",
+        params:
+            settings=settings("model", "pretrain", "seed"),
+            data=f"{WORK}/data",
+        log:
+            f"logs/pretrain_model/{RUN}.log",
+        benchmark:
+            f"benchmarks/pretrain_model/{RUN}.tsv"
+        threads: 2
+        resources:
+            mem_mb=8000,
+            runtime=120,
+            gpus=0,
+        shell:
+            "occult pretrain --config {RESOLVED_CONFIG} --threads {threads} --data {params.data}"
+            " --out {output.model} --log {output.loss} --structure {output.structure} 2>&1 | tee {log}"
+
+else:
+
+    rule import_checkpoint:
+        output:
+            model=directory(f"{WORK}/model/base"),
+        params:
+            settings=settings("model"),
+        log:
+            f"logs/import_checkpoint/{RUN}.log",
+        benchmark:
+            f"benchmarks/import_checkpoint/{RUN}.tsv"
+        threads: 1
+        resources:
+            mem_mb=64000,
+            runtime=30,
+        shell:
+            "occult import-checkpoint --config {RESOLVED_CONFIG} --out {output.model} 2>&1 | tee {log}"

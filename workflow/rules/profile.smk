@@ -1,0 +1,25 @@
+rule profile_coactivation:
+    input:
+        model=f"{WORK}/model/base",
+        manifest=rules.build_data.output.manifest,
+    output:
+        profile=f"{WORK}/profile/profile.npz",
+        calibration=f"{WORK}/profile/routing_calibration.npz",
+        heldout=f"{WORK}/profile/routing_heldout.npz",
+        summary=f"{RESULTS}/profile/profile.json",
+    params:
+        settings=settings("profile", "seed"),
+        data=f"{WORK}/data",
+        outdir=f"{WORK}/profile",
+    log:
+        f"logs/profile_coactivation/{RUN}.log",
+    benchmark:
+        f"benchmarks/profile_coactivation/{RUN}.tsv"
+    threads: 2
+    resources:
+        mem_mb=8000,
+        runtime=60,
+    shell:
+        "occult profile --config {RESOLVED_CONFIG} --threads {threads} --model {input.model}"
+        " --data {params.data} --out {params.outdir} 2>&1 | tee {log}"
+        " && cp {params.outdir}/profile.json {output.summary}"

@@ -1,0 +1,32 @@
+rule make_report:
+    input:
+        loss=rules.pretrain_model.output.loss if CFG.model.source == "scratch" else [],
+        structure=rules.pretrain_model.output.structure if CFG.model.source == "scratch" else [],
+        profile=rules.profile_coactivation.output.profile,
+        placement_table=rules.place_experts.output.table,
+        placements=PLACEMENT_FILES,
+        bench=rules.bench_layer.output.csv,
+        scores=expand(f"{RESULTS}/evaluate/{{variant}}.json", variant=VARIANTS),
+    output:
+        ablation=report(f"{RESULTS}/tables/ct_ablation.csv", category="Tables", caption="../report/ct_ablation.rst"),
+        accuracy=report(f"{RESULTS}/tables/accuracy.csv", category="Tables", caption="../report/accuracy.rst"),
+        placement=report(f"{RESULTS}/tables/placement_summary.csv", category="Tables", caption="../report/placement.rst"),
+        fig_ablation=report(f"{FIGURES}/ct_ablation.png", category="Figures", caption="../report/ct_ablation.rst"),
+        fig_latency=report(f"{FIGURES}/latency_vs_ct.png", category="Figures", caption="../report/latency_vs_ct.rst"),
+        fig_accuracy=report(f"{FIGURES}/accuracy.png", category="Figures", caption="../report/accuracy.rst"),
+        fig_heatmaps=report(f"{FIGURES}/coactivation_heatmaps.png", category="Figures", caption="../report/heatmaps.rst"),
+        fig_placement=report(f"{FIGURES}/expected_ct_vs_devices.png", category="Figures", caption="../report/placement.rst"),
+    params:
+        results=RESULTS,
+        figures=FIGURES,
+    log:
+        f"logs/make_report/{RUN}.log",
+    benchmark:
+        f"benchmarks/make_report/{RUN}.tsv"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "occult report --config {RESOLVED_CONFIG} --results {params.results} --figures {params.figures}"
+        " 2>&1 | tee {log}"
