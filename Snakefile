@@ -12,6 +12,12 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
+
+
+wildcard_constraints:
+    variant="|".join(VARIANTS),
+
+
 include: "workflow/rules/data.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/profile.smk"

@@ -38,9 +38,15 @@ def _pretrain(args, cfg) -> None:
 
 
 def _import_checkpoint(args, cfg) -> None:
-    from occult.models import import_checkpoint
+    """Check that the checkpoint loads as an MoE model, then link it into the work tree."""
+    from occult.models import load_checkpoint, moe_layers
 
-    import_checkpoint(cfg.model, Path(args.out))
+    source = Path(cfg.model.checkpoint).resolve()
+    model, _ = load_checkpoint(source)
+    log.info("checkpoint %s: %d MoE layers", source, len(moe_layers(model)))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.symlink_to(source, target_is_directory=True)
 
 
 def _profile(args, cfg) -> None:

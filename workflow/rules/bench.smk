@@ -1,21 +1,25 @@
 rule bench_layer:
     input:
+        profile=rules.profile_coactivation.output.profile,
         heldout=rules.profile_coactivation.output.heldout,
         placements=PLACEMENT_FILES,
     output:
         csv=f"{RESULTS}/bench/ep_cpu.csv",
     params:
+        config=RESOLVED_CONFIG,
         settings=settings("bench", "model", "seed"),
-        profile=f"{WORK}/profile",
-        placements=f"{RESULTS}/placement",
+        profile=profile_dir,
+        placements=placement_dir,
     log:
         f"logs/bench_layer/{RUN}.log",
     benchmark:
         f"benchmarks/bench_layer/{RUN}.tsv"
+    conda:
+        "../../environment.yml"
     threads: 2
     resources:
         mem_mb=8000,
         runtime=60,
     shell:
-        "occult bench --config {RESOLVED_CONFIG} --profile {params.profile}"
+        "occult bench --config {params.config} --profile {params.profile}"
         " --placements {params.placements} --out {output.csv} 2>&1 | tee {log}"

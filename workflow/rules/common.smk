@@ -21,9 +21,6 @@ PLACEMENT_FILES = [
 ]
 VARIANTS = list(CFG.finetune.variants)
 
-wildcard_constraints:
-    variant="|".join(VARIANTS),
-
 
 def _write_resolved_config() -> None:
     """Write the validated config for the CLI; rewrite only on change so mtimes stay stable."""
@@ -40,8 +37,33 @@ _write_resolved_config()
 
 
 def settings(*sections: str) -> str:
-    """The config sections a rule depends on, as a params value: editing them reruns the rule."""
+    """Config sections as a params value; editing one of them reruns the jobs that declare it."""
     return json.dumps({s: CFG.raw[s] for s in sections}, sort_keys=True)
+
+
+def output_dir(wildcards, output) -> str:
+    """Folder of the first output (for stages that write several files there)."""
+    return str(Path(output[0]).parent)
+
+
+def data_dir(wildcards, input) -> str:
+    return str(Path(input.manifest).parent)
+
+
+def profile_dir(wildcards, input) -> str:
+    return str(Path(input.profile).parent)
+
+
+def placement_dir(wildcards, input) -> str:
+    return str(Path(input.placements[0]).parent)
+
+
+def results_dir(wildcards, output) -> str:
+    return str(Path(output.ablation).parent.parent)
+
+
+def figures_dir(wildcards, output) -> str:
+    return str(Path(output.fig_ablation).parent)
 
 
 def variant_model(wildcards):

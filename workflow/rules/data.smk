@@ -6,15 +6,18 @@ rule build_data:
         tokenizer=f"{WORK}/data/tokenizer/tokenizer.json",
         instructions=f"{WORK}/data/instructions.jsonl",
     params:
+        config=RESOLVED_CONFIG,
         settings=settings("data", "seed"),
-        outdir=f"{WORK}/data",
+        outdir=output_dir,
     log:
         f"logs/build_data/{RUN}.log",
     benchmark:
         f"benchmarks/build_data/{RUN}.tsv"
+    conda:
+        "../../environment.yml"
     threads: 2
     resources:
         mem_mb=4000,
         runtime=30,
     shell:
-        "occult data --config {RESOLVED_CONFIG} --out {params.outdir} 2>&1 | tee {log}"
+        "occult data --config {params.config} --out {params.outdir} 2>&1 | tee {log}"

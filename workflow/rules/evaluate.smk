@@ -7,19 +7,22 @@ rule eval_variant:
     output:
         scores=f"{RESULTS}/evaluate/{{variant}}.json",
     params:
+        config=RESOLVED_CONFIG,
         settings=settings("evaluate", "finetune", "data"),
-        data=f"{WORK}/data",
-        profile=f"{WORK}/profile",
-        placements=f"{RESULTS}/placement",
+        data=data_dir,
+        profile=profile_dir,
+        placements=placement_dir,
     log:
         f"logs/eval_variant/{RUN}_{{variant}}.log",
     benchmark:
         f"benchmarks/eval_variant/{RUN}_{{variant}}.tsv"
+    conda:
+        "../../environment.yml"
     threads: 1
     resources:
         mem_mb=8000,
         runtime=120,
     shell:
-        "occult evaluate --config {RESOLVED_CONFIG} --threads {threads} --variant {wildcards.variant}"
+        "occult evaluate --config {params.config} --threads {threads} --variant {wildcards.variant}"
         " --model {input.model} --data {params.data} --profile {params.profile}"
         " --placements {params.placements} --out {output.scores} 2>&1 | tee {log}"

@@ -8,20 +8,23 @@ rule finetune_variant:
         model=directory(f"{WORK}/finetune/{{variant}}"),
         loss=f"{RESULTS}/finetune/{{variant}}_log.csv",
     params:
+        config=RESOLVED_CONFIG,
         settings=settings("finetune", "seed"),
-        data=f"{WORK}/data",
-        profile=f"{WORK}/profile",
-        placements=f"{RESULTS}/placement",
+        data=data_dir,
+        profile=profile_dir,
+        placements=placement_dir,
     log:
         f"logs/finetune_variant/{RUN}_{{variant}}.log",
     benchmark:
         f"benchmarks/finetune_variant/{RUN}_{{variant}}.tsv"
+    conda:
+        "../../environment.yml"
     threads: 1
     resources:
         mem_mb=8000,
         runtime=120,
         gpus=0,
     shell:
-        "occult finetune --config {RESOLVED_CONFIG} --threads {threads} --variant {wildcards.variant}"
+        "occult finetune --config {params.config} --threads {threads} --variant {wildcards.variant}"
         " --model {input.model} --data {params.data} --profile {params.profile}"
         " --placements {params.placements} --out {output.model} --log {output.loss} 2>&1 | tee {log}"

@@ -8,19 +8,22 @@ if CFG.model.source == "scratch":
             loss=report(f"{RESULTS}/model/pretrain_log.csv", category="Model", caption="../report/pretrain.rst"),
             structure=f"{RESULTS}/model/router_structure.json",
         params:
+            config=RESOLVED_CONFIG,
             settings=settings("model", "pretrain", "seed"),
-            data=f"{WORK}/data",
+            data=data_dir,
         log:
             f"logs/pretrain_model/{RUN}.log",
         benchmark:
             f"benchmarks/pretrain_model/{RUN}.tsv"
+        conda:
+            "../../environment.yml"
         threads: 2
         resources:
             mem_mb=8000,
             runtime=120,
             gpus=0,
         shell:
-            "occult pretrain --config {RESOLVED_CONFIG} --threads {threads} --data {params.data}"
+            "occult pretrain --config {params.config} --threads {threads} --data {params.data}"
             " --out {output.model} --log {output.loss} --structure {output.structure} 2>&1 | tee {log}"
 
 else:
@@ -29,14 +32,17 @@ else:
         output:
             model=directory(f"{WORK}/model/base"),
         params:
+            config=RESOLVED_CONFIG,
             settings=settings("model"),
         log:
             f"logs/import_checkpoint/{RUN}.log",
         benchmark:
             f"benchmarks/import_checkpoint/{RUN}.tsv"
+        conda:
+            "../../environment.yml"
         threads: 1
         resources:
             mem_mb=64000,
             runtime=30,
         shell:
-            "occult import-checkpoint --config {RESOLVED_CONFIG} --out {output.model} 2>&1 | tee {log}"
+            "occult import-checkpoint --config {params.config} --out {output.model} 2>&1 | tee {log}"

@@ -8,18 +8,21 @@ rule profile_coactivation:
         heldout=f"{WORK}/profile/routing_heldout.npz",
         summary=f"{RESULTS}/profile/profile.json",
     params:
+        config=RESOLVED_CONFIG,
         settings=settings("profile", "seed"),
-        data=f"{WORK}/data",
-        outdir=f"{WORK}/profile",
+        data=data_dir,
+        outdir=output_dir,
     log:
         f"logs/profile_coactivation/{RUN}.log",
     benchmark:
         f"benchmarks/profile_coactivation/{RUN}.tsv"
+    conda:
+        "../../environment.yml"
     threads: 2
     resources:
         mem_mb=8000,
         runtime=60,
     shell:
-        "occult profile --config {RESOLVED_CONFIG} --threads {threads} --model {input.model}"
+        "occult profile --config {params.config} --threads {threads} --model {input.model}"
         " --data {params.data} --out {params.outdir} 2>&1 | tee {log}"
         " && cp {params.outdir}/profile.json {output.summary}"

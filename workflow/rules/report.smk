@@ -17,16 +17,19 @@ rule make_report:
         fig_heatmaps=report(f"{FIGURES}/coactivation_heatmaps.png", category="Figures", caption="../report/heatmaps.rst"),
         fig_placement=report(f"{FIGURES}/expected_ct_vs_devices.png", category="Figures", caption="../report/placement.rst"),
     params:
-        results=RESULTS,
-        figures=FIGURES,
+        config=RESOLVED_CONFIG,
+        results=results_dir,
+        figures=figures_dir,
     log:
         f"logs/make_report/{RUN}.log",
     benchmark:
         f"benchmarks/make_report/{RUN}.tsv"
+    conda:
+        "../../environment.yml"
     threads: 1
     resources:
         mem_mb=2000,
         runtime=10,
     shell:
-        "occult report --config {RESOLVED_CONFIG} --results {params.results} --figures {params.figures}"
+        "occult report --config {params.config} --results {params.results} --figures {params.figures}"
         " 2>&1 | tee {log}"

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Build MegaBlocks on a CUDA machine from its PyPI sdists (never committed here):
+#   stanford-stk 0.7.1, grouped_gemm 0.3.0, megablocks 0.10.0 (`pip download --no-deps --no-binary
+#   :all:` them into SDIST_DIR). Tutel is not on PyPI: install it from its own repository as its
+#   README says; our adapter uses it whenever `import tutel` works.
+# Usage: build_baselines.sh SDIST_DIR [BUILD_DIR]
+# Needs: the machine's CUDA torch, nvcc, ninja. Installs into the running python3's site-packages.
+# One compatibility edit is applied: MegaBlocks' csrc/cumsum.h passes CUB's removed
+# `debug_synchronous` argument to DeviceScan::{Exclusive,Inclusive}Sum; it is dropped.
+set -euo pipefail
+sdist=$(realpath "$1")
+build=${2:-/tmp/occult-baselines}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+mkdir -p "$build"
+cd "$build"
+pip_install() { python3 -m pip install -q --no-deps --no-build-isolation --no-index "$@"; }
+
+for archive in "$sdist"/stanford_stk-*.tar.gz "$sdist"/grouped_gemm-*.tar.gz "$sdist"/megablocks-*.tar.gz; do
+  [ -e "$archive" ] || { echo "build_baselines: missing $archive" >&2; continue; }
+  tar xzf "$archive"
+done
+
+python3 - <<'PY'
+import glob, re
+for path in glob.glob("megablocks-*/csrc/cumsum.h"):
+    src = open(path).read()
+    fixed = re.sub(r",\s*debug_synchronous\)", ")", src)
+    fixed = re.sub(r",\s*bool debug_synchronous = false\)", ")", fixed)
+    open(path, "w").write(fixed)
+    print(f"patched {path}: {src.count('debug_synchronous')} -> {fixed.count('debug_synchronous')} mentions")
+PY
+
+start=$SECONDS
+for pkg in stanford_stk-* grouped_gemm-* megablocks-* ; do
+  [ -d "$pkg" ] || continue
+  echo "== building $pkg"
+  ( pip_install "./$pkg" ) || echo "build_baselines: FAILED to build $pkg" >&2
+done
+echo "build_baselines: done in $((SECONDS - start)) s"
+python3 - <<'PY'
+for name in ("stk", "grouped_gemm", "megablocks"):
+    try:
+        mod = __import__(name)
+        print(f"import {name}: ok ({getattr(mod, '__version__', '?')})")
+    except Exception as err:  # report every baseline's state, never hide a failure
+        print(f"import {name}: FAILED: {type(err).__name__}: {err}")
+PY
