@@ -28,7 +28,7 @@ log = logging.getLogger("occult")
 def _data(args, cfg) -> None:
     from occult.data import build_data
 
-    build_data(cfg.data, cfg.seed, Path(args.out))
+    build_data(cfg.data, cfg.seed, Path(args.out), config_hash=cfg.hash())
 
 
 def _pretrain(args, cfg) -> None:
