@@ -1,0 +1,150 @@
+"""Run a function on D CPU ranks (gloo) for tests and benchmarks, and never hang.
+
+`run_ranks(fn, world_size, *args)` forks `world_size` processes (OMP_NUM_THREADS=1 is set
+before the fork: forking after OpenMP started threads can hang the child), joins them into one
+gloo process group through a `file://` rendezvous in a fresh temporary directory (no ports), calls
+`fn(rank, world_size, *args, **kwargs)` in each, and returns the per-rank results in rank order.
+
+Failure handling: a rank that raises reports its traceback and exits; a rank that dies reports
+nothing. Either way the parent notices within a poll interval, kills the other ranks (they are
+likely blocked in a collective) and raises `RankFailure` naming the rank. Collectives also carry
+`timeout_s` (gloo raises after it), and the parent enforces a wall-clock deadline on the whole
+run, killing every rank when it passes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+POLL_S = 0.1
+KILL_GRACE_S = 2.0
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or ran past the deadline; the message names it."""
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    init_file: str,
+    timeout_s: float,
+    results: Any,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        try:
+            value = fn(rank, world_size, *args, **kwargs)
+        finally:
+            dist.destroy_process_group()
+        # Results travel as plain pickled bytes: torch's shared-memory reductions would tie the
+        # tensors to this process, which exits right after.
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - everything is reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+        results.close()
+        results.join_thread()
+        os._exit(1)
+
+
+def _stop(processes: list) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + KILL_GRACE_S
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(KILL_GRACE_S)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    deadline_s: float | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return the results.
+
+    `timeout_s` bounds each collective; `deadline_s` (default: `timeout_s` plus 30 s) bounds the
+    whole run. `fn` is inherited through fork, so closures work; its return value must pickle.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size: must be at least 1, got {world_size}")
+    deadline_s = timeout_s + 30.0 if deadline_s is None else deadline_s
+    os.environ["OMP_NUM_THREADS"] = "1"
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    tmp_dir = Path(tempfile.mkdtemp(prefix="occult-gloo-"))
+    init_file = str(tmp_dir / "rendezvous")
+    processes = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, init_file, timeout_s, results, fn, args, kwargs),
+            name=f"occult-rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    values: dict[int, Any] = {}
+    try:
+        for proc in processes:
+            proc.start()
+        deadline = time.monotonic() + deadline_s
+        while len(values) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=POLL_S)
+            except queue.Empty:
+                for rank, proc in enumerate(processes):
+                    if rank not in values and not proc.is_alive():
+                        # It may have reported just before exiting: look once more.
+                        try:
+                            rank, status, payload = results.get(timeout=POLL_S)
+                        except queue.Empty:
+                            raise RankFailure(
+                                f"rank {rank} of {world_size} died (exit code {proc.exitcode}) without a result"
+                            ) from None
+                        break
+                else:
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - set(values))
+                        raise RankFailure(
+                            f"ranks {missing} of {world_size} did not finish within {deadline_s:.0f} s"
+                        )
+                    continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
+            values[rank] = pickle.loads(payload)
+        for proc in processes:
+            proc.join(KILL_GRACE_S)
+    finally:
+        _stop(processes)
+        results.close()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return [values[rank] for rank in range(world_size)]
