@@ -21,5 +21,5 @@ rule bench_layer:
         mem_mb=8000,
         runtime=60,
     shell:
-        "occult bench --config {params.config} --profile {params.profile}"
+        "OMP_NUM_THREADS=1 occult bench --config {params.config} --profile {params.profile}"
         " --placements {params.placements} --out {output.csv} 2>&1 | tee {log}"
