@@ -1,0 +1,141 @@
+"""Tutel (microsoft/tutel, built from its repository): its MoE layer with our experts and routing.
+
+`tutel.moe.moe_layer` is built with `llama_ffn` experts (SwiGLU: `W_fc1` gate and `W_fc2` up,
+[E_r, D, F]; `W_fc3` down, [E_r, F, D]; silu), E/D experts per rank (contiguous), our group, and
+`capacity_factor=0`: capacity = the largest expert load over the group, so no token is dropped
+(dropless, padded to that capacity; a negative factor would cap it instead).
+
+Routing. Tutel computes `scores = softmax(gate(x))`, takes their top-k and (with
+`normalize_gate=True`) renormalises the k gates. We pass a custom gate (`GivenRoutingGate`) whose
+logits are log(weight) at our k experts and -inf elsewhere: the top-k are exactly our experts and
+each gate is weight / sum(weights). We switch Tutel's renormalisation off (it is then already
+normalised) and multiply Tutel's output by sum(weights) per token, which restores
+sum_j weights[t, j] * expert_j(x[t]) exactly, for weights that do or do not sum to one. Costs
+added to Tutel's time: building the [T, E] logits (where its own gate would run a [T, D]x[D, E]
+GEMM) and one [T, D] scale. Everything else (its gshard aux loss, fast encode/decode kernels,
+all-to-all, expert GEMMs) is Tutel's own.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from occult.baselines import ExpertWeights, Method, MoEShape, contiguous_experts, import_error_text, world_and_rank
+
+TINY_WEIGHT = 1e-30   # a zero gate weight still has to win Tutel's top-k over the -inf logits
+
+
+class GivenRoutingGate(torch.nn.Module):
+    """A Tutel gate that returns logits encoding a routing given from outside (see the module doc).
+
+    Tutel constructs it as `GivenRoutingGate(model_dim=..., num_global_experts=..., k=..., ...)`;
+    `route(ids_TK, weights_TK)` must be called before each forward of the layer.
+    """
+
+    def __init__(self, model_dim: int, num_global_experts: int, k: int, capacity_factor: float = 0.0,
+                 gate_noise: float = 0.0) -> None:
+        super().__init__()
+        self.model_dim = model_dim
+        self.num_global_experts = num_global_experts
+        self.top_k = k
+        self.capacity_factor = capacity_factor
+        self.gate_noise = gate_noise
+        self.ids_TK: torch.Tensor | None = None
+        self.weights_TK: torch.Tensor | None = None
+
+    def route(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+        self.ids_TK, self.weights_TK = ids_TK, weights_TK
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        if self.ids_TK is None or self.weights_TK is None:
+            raise RuntimeError("GivenRoutingGate: route(ids_TK, weights_TK) was not called before the layer")
+        if self.ids_TK.shape[0] != x_TD.shape[0]:
+            raise ValueError(f"GivenRoutingGate: routing has {self.ids_TK.shape[0]} tokens, input {x_TD.shape[0]}")
+        logits_TE = torch.full((x_TD.shape[0], self.num_global_experts), float("-inf"),
+                               dtype=torch.float32, device=x_TD.device)
+        log_w = torch.log(self.weights_TK.float().clamp_min(TINY_WEIGHT))
+        return logits_TE.scatter(1, self.ids_TK, log_w)
+
+
+class TutelMoE(Method):
+    """Tutel's `moe_layer` with `llama_ffn` experts and `GivenRoutingGate`; see the module doc."""
+
+    name = "tutel"
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            importlib.import_module("tutel")
+            importlib.import_module("tutel.moe")
+        except Exception as err:  # noqa: BLE001 - any import failure is the reason
+            return False, import_error_text(err)
+        try:
+            version = metadata.version("tutel")
+        except metadata.PackageNotFoundError:
+            version = "unknown version"
+        return True, f"tutel {version}"
+
+    def setup(self, shape: MoEShape, group: dist.ProcessGroup | None, dtype: torch.dtype,
+              device: torch.device, weights: ExpertWeights) -> None:
+        from tutel import moe as tutel_moe
+
+        world, rank = world_and_rank(group)
+        self.group, self.world, self.rank = group, world, rank
+        self.num_experts = shape.num_experts
+        per_rank = shape.num_experts // world
+        layer = tutel_moe.moe_layer(
+            gate_type={"type": "custom", "module": GivenRoutingGate, "k": shape.top_k, "capacity_factor": 0.0},
+            model_dim=shape.hidden,
+            experts={
+                "type": "llama_ffn",
+                "count_per_node": per_rank,
+                "hidden_size_per_expert": shape.ffn,
+                "activation_fn": F.silu,
+            },
+            group=group,
+            normalize_gate=False,
+            is_postscore=True,
+            a2a_ffn_overlap_degree=1,
+        )
+        w_gate_up, w_down = weights.local(contiguous_experts(shape.num_experts, world, rank), dtype, device)
+        ffn = shape.ffn
+        experts = layer.experts
+        with torch.no_grad():
+            # Flat (sharded_count = 1) parameters viewed as [E_r, D, F], [E_r, D, F], [E_r, F, D].
+            fc1 = w_gate_up[:, :ffn, :].transpose(1, 2).contiguous()
+            fc2 = w_gate_up[:, ffn:, :].transpose(1, 2).contiguous()
+            fc3 = w_down.transpose(1, 2).contiguous()
+            for name, value in (("W_fc1", fc1), ("W_fc2", fc2), ("W_fc3", fc3)):
+                param = getattr(experts, name)
+                if param.numel() != value.numel():
+                    raise ValueError(f"tutel: experts.{name} holds {param.numel()} values, expected {value.numel()}")
+                param.copy_(value.reshape(param.shape))
+        self.layer = layer.to(device=device, dtype=dtype)
+        self.gate = self.layer.gates[0]
+        self.element_size = w_down.element_size()
+
+    def expert_parameters(self) -> list[torch.Tensor]:
+        return list(self.layer.experts.parameters())
+
+    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        self.gate.route(ids_TK, weights_TK)
+        try:
+            y_TD = self.layer(x_TD)
+        finally:
+            self.gate.route(None, None)  # type: ignore[arg-type]
+        scale_T1 = weights_TK.float().sum(dim=1, keepdim=True)
+        return (y_TD.float() * scale_T1).to(x_TD.dtype)
+
+    def bytes_sent(self, ids_TK: torch.Tensor) -> int | None:
+        """Padded dispatch buffer [E, capacity, D]: the (D-1)/D of it bound elsewhere, out and back."""
+        load_max = torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts).max()
+        if self.world > 1:
+            dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=self.group)
+        capacity = int(load_max)
+        remote_experts = self.num_experts - self.num_experts // self.world
+        hidden = self.layer.model_dim
+        return 2 * remote_experts * capacity * hidden * self.element_size

@@ -1,0 +1,808 @@
+"""Latency sweeps of one MoE layer: Occult against MegaBlocks, Tutel, a naive EP, HF and FSDP.
+
+Launch on GPUs (one process per GPU, D = GPUs):
+
+    torchrun --nproc_per_node=2 -m occult.sweep --kind prefill --shapes olmoe qwen deepseek
+
+and on the CPU (gloo ranks forked here, tiny shapes) for smoke tests:
+
+    python -m occult.sweep --device cpu --dtype float32 --D 2 --kind prefill --shapes tiny --sizes 16 32
+
+Kinds and sizes (`--sizes`, per GPU): `prefill` — forward of N tokens (default 2^10 … 2^16);
+`decode` — forward of one step of a batch of B sequences, N = B tokens (B ∈ 1, 8, 64, 512);
+`train` — forward + backward of B sequences of `--seq-len` 512 tokens (B ∈ 1, 2, 4, 8, 16).
+
+Routing. Each shape gets a seeded low-rank router (logits = (x U) V + b, rank 4: experts whose
+columns of V are close are picked together, so co-activation has structure). Every input set
+is fresh random hidden states x routed by it: ids = top-k of softmax(logits), weights = their
+probabilities. All methods receive the SAME (x, ids, weights) at a given point; the router
+itself is not timed. Occult's placement is `occult.placement.greedy_occult` on the co-activation
+of a separate calibration batch (computed on rank 0, broadcast). `occult-nd<N>` routes with
+`occult.pruning.prune_router_score` (at most N devices per token) on that placement.
+
+Methods: `occult` (exact, dedup dispatch, `occult.ep.layer.ep_moe`), `occult-nd2`, `occult-nd1`,
+and the baselines of `occult.baselines` (`megablocks`, `tutel`, `naive`, `hf`, `fsdp`,
+`deepspeed`). The shape's shared expert (if any) is one replicated SwiGLU added by the harness to
+every method's output, timed with it.
+
+Per (shape, method): set up the method with the shape's seeded global weights, then check its
+output (and, for `train`, dL/dx) on a small batch against `occult.kernels.reference.moe_dense_ref`
+(max relative error over ranks; above the dtype's tolerance the method is `failed` and not timed).
+Per size: `--input-sets` input sets are generated and rotated over `warmup + repeats` steps; each
+step is timed with CUDA events (perf_counter on CPU) after a barrier; the per-step time is the max
+over ranks; the row gets its median, p10 and p90. Peak memory = max over ranks of
+`torch.cuda.max_memory_allocated` during the timed loop. Bytes sent per rank come from each
+method's own accounting (rows, metadata, padding). A method that raises gets `status="error: ..."`
+(traceback on stderr) and the sweep goes on; one whose library is missing gets
+`status="unavailable: ..."`, never a substitute. The CSV (rank 0, atomic, rewritten after every
+row) has a `.meta.json` provenance sidecar; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from occult.baselines import (
+    METHOD_CLASSES,
+    ExpertWeights,
+    Method,
+    MoEShape,
+    get_shape,
+    import_error_text,
+    make_method,
+    world_and_rank,
+)
+
+KINDS = ("prefill", "decode", "train")
+DEFAULT_SIZES = {
+    "prefill": tuple(2**p for p in range(10, 17)),
+    "decode": (1, 8, 64, 512),
+    "train": (1, 2, 4, 8, 16),
+}
+DEFAULT_METHODS = ("occult", "occult-nd2", "occult-nd1", "megablocks", "tutel", "naive", "hf", "fsdp", "deepspeed")
+OCCULT_RE = re.compile(r"^occult(?:-nd(?P<nd>[1-9][0-9]*))?$")
+REL_TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+VERSION_PACKAGES = ("torch", "triton", "transformers", "megablocks", "grouped_gemm", "stanford-stk", "tutel", "deepspeed")
+ROUTER_RANK = 4
+CALIBRATION_TOKENS = 8192
+REF_CHUNK_TOKENS = 16
+COLUMNS = (
+    "machine", "commit", "command", "kind", "shape", "method", "D", "tokens_per_gpu", "batch", "seq_len",
+    "dtype", "median_ms", "p10_ms", "p90_ms", "peak_mem_gib", "bytes_sent", "mean_devices_per_token",
+    "max_rel_err", "status", "repeats", "warmup", "timer", "num_experts", "top_k", "hidden", "ffn",
+    "shared_ffn", *(f"version_{name.replace('-', '_')}" for name in VERSION_PACKAGES),
+)
+
+
+class SweepError(ValueError):
+    """A sweep argument is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """Everything a rank needs (inherited by forked CPU ranks, passed to `run_sweep` on GPUs)."""
+
+    kind: str
+    shapes: tuple[str, ...]
+    methods: tuple[str, ...]
+    world: int
+    sizes: tuple[int, ...]
+    out_csv: str
+    repeats: int = 20
+    warmup: int = 5
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    seed: int = 0
+    seq_len: int = 512
+    input_sets: int = 3
+    check_tokens: int = 64
+    occult_backend: str = "auto"
+    include_shared: bool = True
+    command: str = ""
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise SweepError(f"kind: {self.kind!r} is not one of {KINDS}")
+        for name in self.shapes:
+            try:
+                get_shape(name)
+            except ValueError as err:
+                raise SweepError(f"shapes: {err}") from None
+        for name in self.methods:
+            if not OCCULT_RE.match(name) and name not in METHOD_CLASSES:
+                raise SweepError(f"methods: {name!r} is not occult, occult-nd<N> or one of {sorted(METHOD_CLASSES)}")
+        if self.world < 1:
+            raise SweepError(f"D: must be at least 1, got {self.world}")
+        if not self.sizes or min(self.sizes) < 1:
+            raise SweepError(f"sizes: need positive sizes, got {self.sizes}")
+        for field in ("repeats", "input_sets", "check_tokens", "seq_len"):
+            if getattr(self, field) < 1:
+                raise SweepError(f"{field}: must be at least 1, got {getattr(self, field)}")
+        if self.warmup < 0:
+            raise SweepError(f"warmup: must be >= 0, got {self.warmup}")
+        if self.dtype not in DTYPES:
+            raise SweepError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.device not in ("cuda", "cpu"):
+            raise SweepError(f"device: {self.device!r} is not cuda or cpu")
+        if self.occult_backend not in ("auto", "torch", "triton"):
+            raise SweepError(f"occult_backend: {self.occult_backend!r} is not auto, torch or triton")
+
+    def tokens_per_gpu(self, size: int) -> int:
+        return size * self.seq_len if self.kind == "train" else size
+
+    def batch(self, size: int) -> int | None:
+        return None if self.kind == "prefill" else size
+
+
+# ----------------------------------------------------------------------------------------------
+# Occult as a method
+
+
+class OccultEP(Method):
+    """Occult's EP layer (`ep_moe`, dedup dispatch) on a collaboration-aware placement."""
+
+    name = "occult"
+
+    def __init__(self, device_of_expert_E: torch.Tensor | None, backend: str, mode: str = "dedup") -> None:
+        self.device_of_expert_E = device_of_expert_E
+        self.backend = backend
+        self.mode = mode
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            from occult.ep.layer import get_backend
+
+            get_backend(self.backend)
+        except Exception as err:  # noqa: BLE001
+            return False, import_error_text(err)
+        return True, f"backend={self.backend}"
+
+    def setup(self, shape: MoEShape, group: dist.ProcessGroup | None, dtype: torch.dtype,
+              device: torch.device, weights: ExpertWeights) -> None:
+        from occult.ep.layer import get_backend
+        from occult.ep.plan import experts_of_device
+
+        if self.device_of_expert_E is None:
+            raise RuntimeError("occult: no placement was computed for this shape")
+        self.group = group
+        self.world, self.rank = world_and_rank(group)
+        self.placement = self.device_of_expert_E.detach().cpu().long()
+        self.w_gate_up, self.w_down = weights.local(experts_of_device(self.placement, self.rank), dtype, device)
+        self.ops = get_backend(self.backend)
+
+    def expert_parameters(self) -> list[torch.Tensor]:
+        return [self.w_gate_up, self.w_down]
+
+    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        from occult.ep.layer import ep_moe
+
+        return ep_moe(x_TD, ids_TK, weights_TK, self.placement, self.w_gate_up, self.w_down,
+                      group=self.group, mode=self.mode, backend=self.ops)
+
+    def traffic(self, ids_TK: torch.Tensor) -> tuple[int, float]:
+        """(bytes this rank sends per forward: rows + 8 B per pair out, partial rows back; E[C_T])."""
+        from occult.ep.plan import META_BYTES_PER_PAIR, build_plan, local_expert_ids
+
+        placement = self.placement.to(ids_TK.device)
+        plan = build_plan(ids_TK, placement, self.world, local_expert_ids(placement, self.world), self.mode)
+        rows = torch.tensor(plan.rows_per_device, dtype=torch.long, device=ids_TK.device)
+        recv = rows.clone()
+        if self.world > 1:
+            dist.all_to_all_single(recv, rows, group=self.group)
+        recv_rows = recv.tolist()
+        row_bytes = self.w_down.shape[1] * self.w_down.element_size()
+        remote_rows = sum(plan.rows_per_device) - plan.rows_per_device[self.rank]
+        remote_pairs = sum(plan.pairs_per_device) - plan.pairs_per_device[self.rank]
+        returned = sum(recv_rows) - recv_rows[self.rank]
+        sent = remote_rows * row_bytes + remote_pairs * META_BYTES_PER_PAIR + returned * row_bytes
+        return sent, float(plan.devices_per_token_T.float().mean())
+
+    def bytes_sent(self, ids_TK: torch.Tensor) -> int | None:
+        return self.traffic(ids_TK)[0]
+
+
+def prune_routing(logits_TE: torch.Tensor, top_k: int, device_of_expert_E: torch.Tensor,
+                  max_devices: int, num_devices: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, weights) of router-score pruning to `max_devices` devices (`occult.pruning`, gates kept)."""
+    from occult.pruning import prune_router_score
+
+    weights_TK, ids_TK = prune_router_score(logits_TE, top_k, device_of_expert_E, max_devices,
+                                            num_devices=num_devices)
+    return ids_TK.long(), weights_TK.float()
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+
+
+@dataclass(frozen=True)
+class SyntheticRouter:
+    """logits_TE = (x_TD U_Dr) V_rE + b_E: a seeded low-rank router (CPU fp32 tensors)."""
+
+    u_DR: torch.Tensor
+    v_RE: torch.Tensor
+    bias_E: torch.Tensor
+
+    @classmethod
+    def make(cls, shape: MoEShape, seed: int, rank: int = ROUTER_RANK) -> "SyntheticRouter":
+        gen = torch.Generator().manual_seed(derive_seed(seed, "router", shape.name))
+        u = torch.randn(shape.hidden, rank, generator=gen) / shape.hidden**0.5
+        v = torch.randn(rank, shape.num_experts, generator=gen) * (2.0 / rank**0.5)
+        bias = 0.5 * torch.randn(shape.num_experts, generator=gen)
+        return cls(u, v, bias)
+
+    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+        device = x_TD.device
+        return (x_TD.float() @ self.u_DR.to(device)) @ self.v_RE.to(device) + self.bias_E.to(device)
+
+
+def derive_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from any parts (same in every process, unlike `hash`)."""
+    return zlib.crc32("/".join(map(str, parts)).encode()) & 0x7FFFFFFF
+
+
+def routing_key(method: str) -> int | None:
+    """N_d of the routing a method uses (None = exact top-k)."""
+    match = OCCULT_RE.match(method)
+    return int(match.group("nd")) if match and match.group("nd") else None
+
+
+@dataclass
+class InputSet:
+    x_TD: torch.Tensor
+    dy_TD: torch.Tensor | None
+    routes: dict[int | None, tuple[torch.Tensor, torch.Tensor]]   # N_d (None = exact) -> (ids, weights)
+
+
+def make_inputs(shape: MoEShape, router: SyntheticRouter, tokens: int, seed: int, device: torch.device,
+                dtype: torch.dtype, routes: Sequence[int | None], placement: torch.Tensor | None,
+                with_grad_output: bool) -> InputSet:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(dtype)
+    dy = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(dtype) if with_grad_output else None
+    logits = router.logits(x)
+    weights, ids = torch.softmax(logits, dim=-1).topk(shape.top_k, dim=-1)
+    out: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {None: (ids, weights)}
+    for nd in routes:
+        if nd is not None:
+            if placement is None:
+                raise RuntimeError("pruned routing needs a placement")
+            out[nd] = prune_routing(logits, shape.top_k, placement.to(device), nd, int(placement.max()) + 1)
+    return InputSet(x, dy, out)
+
+
+def occult_placement(shape: MoEShape, router: SyntheticRouter, world: int, seed: int) -> torch.Tensor:
+    """greedy_occult on the co-activation of a calibration batch (rank 0 computes, all receive)."""
+    from occult.placement import greedy_occult
+
+    _, rank = world_and_rank(None)
+    holder: list[Any] = [None]
+    if rank == 0:
+        gen = torch.Generator().manual_seed(derive_seed(seed, "calibration", shape.name))
+        x = torch.randn(CALIBRATION_TOKENS, shape.hidden, generator=gen)
+        ids = router.logits(x).topk(shape.top_k, dim=-1).indices
+        hits_NE = torch.zeros(CALIBRATION_TOKENS, shape.num_experts).scatter_(1, ids, 1.0)
+        coact_EE = (hits_NE.t() @ hits_NE).numpy()
+        holder[0] = greedy_occult(coact_EE, world).tolist()
+    if world > 1:
+        dist.broadcast_object_list(holder, src=0)
+    return torch.tensor(holder[0], dtype=torch.long)
+
+
+class SharedExpert(torch.nn.Module):
+    """The shape's shared expert(s) as one SwiGLU of width shared_ffn, optionally sigmoid-gated."""
+
+    def __init__(self, shape: MoEShape, seed: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(derive_seed(seed, "shared", shape.name))
+        d, f = shape.hidden, shape.shared_ffn
+        self.ffn = f
+        self.gate_up = torch.nn.Parameter((torch.randn(2 * f, d, generator=gen) / d**0.5).to(device, dtype))
+        self.down = torch.nn.Parameter((torch.randn(d, f, generator=gen) / f**0.5).to(device, dtype))
+        self.gate = (torch.nn.Parameter((torch.randn(1, d, generator=gen) / d**0.5).to(device, dtype))
+                     if shape.shared_gate else None)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x_TD, self.gate_up)
+        y = F.linear(F.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn :], self.down)
+        if self.gate is not None:
+            y = torch.sigmoid(F.linear(x_TD, self.gate)) * y
+        return y
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurement
+
+
+def agree(error: str | None, world: int) -> str | None:
+    """The first rank's error (or None) on every rank, so that all ranks take the same branch."""
+    if world == 1:
+        return error
+    errors: list[str | None] = [None] * world
+    dist.all_gather_object(errors, error)
+    return next((f"rank {r}: {e}" for r, e in enumerate(errors) if e), None)
+
+
+def error_text(err: BaseException) -> str:
+    traceback.print_exception(err, file=sys.stderr)
+    return " ".join(f"{type(err).__name__}: {err}".split())[:500]
+
+
+def reference_outputs(inputs: InputSet, nd: int | None, weights: ExpertWeights, device: torch.device,
+                      with_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """moe_dense_ref (fp32, token chunks) of the routed experts: output and, if asked, dL/dx."""
+    from occult.kernels.reference import moe_dense_ref
+
+    w_gate_up = weights.w_gate_up_E2FD.to(device=device, dtype=torch.float32)
+    w_down = weights.w_down_EDF.to(device=device, dtype=torch.float32)
+    ids, gate = inputs.routes[nd]
+    x = inputs.x_TD.float().detach().requires_grad_(with_grad)
+    outputs = []
+    for start in range(0, x.shape[0], REF_CHUNK_TOKENS):
+        part = slice(start, start + REF_CHUNK_TOKENS)
+        y = moe_dense_ref(x[part], ids[part], gate[part].float(), w_gate_up, w_down)
+        if with_grad:
+            (y * inputs.dy_TD[part].float()).sum().backward()
+        outputs.append(y.detach())
+    return torch.cat(outputs), (x.grad if with_grad else None)
+
+
+def relative_error(method: Method, inputs: InputSet, nd: int | None, reference: tuple[torch.Tensor, torch.Tensor | None],
+                   world: int) -> float:
+    """max |y - ref| / max |ref| over ranks (and the same for dL/dx when the reference has it)."""
+    ids, gate = inputs.routes[nd]
+    want_y, want_gx = reference
+    x = inputs.x_TD.detach().requires_grad_(want_gx is not None)
+    y = method.forward(x, ids, gate)
+    stats = [(y.detach().float() - want_y).abs().max(), want_y.abs().max()]
+    if want_gx is not None:
+        y.backward(inputs.dy_TD)
+        stats += [(x.grad.float() - want_gx).abs().max(), want_gx.abs().max()]
+    for p in method.expert_parameters():
+        p.grad = None
+    values = torch.stack([s.float() for s in stats])
+    if world > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    pairs = values.view(-1, 2).tolist()
+    return max(err / max(scale, 1e-30) for err, scale in pairs)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: torch.device,
+               world: int) -> list[float]:
+    """Milliseconds of each timed step (after `warmup`), max over ranks."""
+    times: list[float] = []
+    for i in range(warmup + steps):
+        synchronize(device)
+        if world > 1:
+            dist.barrier()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(i)
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            begin = time.perf_counter()
+            step(i)
+            elapsed = 1e3 * (time.perf_counter() - begin)
+        if i >= warmup:
+            times.append(elapsed)
+    values = torch.tensor(times, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    if world > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.tolist()
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+# ----------------------------------------------------------------------------------------------
+# Provenance
+
+
+def package_version(name: str) -> str:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def machine_name(device: torch.device, world: int) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} x{world}"
+    return f"cpu {platform.machine()} x{world}"
+
+
+def machine_slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+
+
+def default_out_csv(kind: str, device: str, world: int) -> Path:
+    from occult.provenance import REPO_ROOT
+
+    if device == "cuda" and torch.cuda.is_available():
+        name = machine_name(torch.device("cuda", torch.cuda.current_device()), world)
+    else:
+        name = machine_name(torch.device("cpu"), world) if device == "cpu" else f"{device} x{world}"
+    return REPO_ROOT / "results" / machine_slug(name) / f"sweep_{kind}_D{world}.csv"
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep
+
+
+def build_method(name: str, placement: torch.Tensor | None, backend: str) -> Method:
+    if OCCULT_RE.match(name):
+        method = OccultEP(placement, backend)
+        method.name = name
+        return method
+    return make_method(name)
+
+
+def method_skip_reason(name: str, method: Method, shape: MoEShape, world: int) -> str | None:
+    ok, reason = method.available()
+    if not ok:
+        return f"unavailable: {reason}"
+    why = method.supports(shape, world)
+    if why:
+        return f"unsupported: {why}"
+    nd = routing_key(name)
+    if nd is not None:
+        try:
+            import occult.pruning  # noqa: F401
+        except ImportError as err:
+            return f"unavailable: {import_error_text(err)}"
+        if nd * shape.num_experts // world < shape.top_k:
+            return f"unsupported: N_d*E/D = {nd}*{shape.num_experts}/{world} < top_k {shape.top_k}"
+    return None
+
+
+def run_sweep(
+    kind: str,
+    shapes: Sequence[str],
+    methods: Sequence[str],
+    D: int,
+    tokens_list: Sequence[int],
+    out_csv: str | Path,
+    repeats: int = 20,
+    warmup: int = 5,
+    **options: Any,
+) -> list[dict[str, Any]]:
+    """Run one sweep on every rank of the default process group (D ranks, or none for D=1).
+
+    `tokens_list` are the sizes of the kind: tokens per GPU (prefill), batch = tokens per GPU
+    (decode), batch of `seq_len`-token sequences (train). `options` are the other fields of
+    `SweepSettings` (device, dtype, seed, seq_len, input_sets, check_tokens, occult_backend,
+    include_shared, command). Rank 0 writes `out_csv` (+ `.meta.json`) and prints a table;
+    every rank returns the rows.
+    """
+    settings = SweepSettings(kind=kind, shapes=tuple(shapes), methods=tuple(methods), world=D,
+                             sizes=tuple(tokens_list), out_csv=str(out_csv), repeats=repeats, warmup=warmup,
+                             **options)
+    settings.validate()
+    return _sweep(settings)
+
+
+def _sweep(settings: SweepSettings) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    from occult.config import config_hash
+    from occult.provenance import git_commit, provenance, seed_everything
+
+    world, rank = world_and_rank(None)
+    if world != settings.world:
+        raise SweepError(f"D: {settings.world} given but the process group has {world} ranks")
+    if settings.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SweepError("device: cuda requested but torch sees no GPU (use --device cpu)")
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    dtype = DTYPES[settings.dtype]
+    backend = settings.occult_backend
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" else "torch"
+    seed_everything(settings.seed)
+
+    machine = machine_name(device, world)
+    fixed = {
+        "machine": machine, "commit": git_commit(), "command": settings.command, "kind": settings.kind,
+        "D": world, "seq_len": settings.seq_len if settings.kind == "train" else None, "dtype": settings.dtype,
+        "repeats": settings.repeats, "warmup": settings.warmup,
+        "timer": "cuda_events" if device.type == "cuda" else "perf_counter",
+        **{f"version_{name.replace('-', '_')}": package_version(name) for name in VERSION_PACKAGES},
+    }
+    meta = provenance(config_hash(dataclasses.asdict(settings)), settings.seed, stage="sweep",
+                      settings=dataclasses.asdict(settings), occult_backend=backend, machine=machine,
+                      note="one row per (shape, method, size); times are per-step max over ranks")
+    rows: list[dict[str, Any]] = []
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append({column: row.get(column) for column in COLUMNS})
+        if rank == 0:
+            import pandas as pd
+
+            from occult.provenance import write_csv
+
+            write_csv(settings.out_csv, pd.DataFrame(rows, columns=list(COLUMNS)), meta=meta)
+
+    total = len(settings.shapes) * len(settings.methods) * len(settings.sizes)
+    bar = tqdm(total=total, desc=f"sweep {settings.kind} D={world}", unit="point", disable=rank != 0, file=sys.stderr)
+    for shape_name in settings.shapes:
+        shape = get_shape(shape_name)
+        _sweep_shape(settings, shape, device, dtype, backend, fixed, emit, bar)
+    bar.close()
+    if rank == 0:
+        print_table(rows)
+    return rows
+
+
+def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device, dtype: torch.dtype,
+                 backend: str, fixed: dict[str, Any], emit: Callable[[dict[str, Any]], None], bar) -> None:
+    world, rank = world_and_rank(None)
+    train = settings.kind == "train"
+    weights = ExpertWeights.random(shape, derive_seed(settings.seed, "experts", shape.name), device, dtype)
+    weights = ExpertWeights(weights.w_gate_up_E2FD.cpu(), weights.w_down_EDF.cpu())
+    shared = (SharedExpert(shape, settings.seed, device, dtype)
+              if settings.include_shared and shape.shared_ffn else None)
+    router = SyntheticRouter.make(shape, settings.seed)
+    wants_occult = any(OCCULT_RE.match(m) for m in settings.methods)
+    placement = (occult_placement(shape, router, world, settings.seed)
+                 if wants_occult and shape.num_experts % world == 0 else None)
+    shape_fields = {"shape": shape.name, "num_experts": shape.num_experts, "top_k": shape.top_k,
+                    "hidden": shape.hidden, "ffn": shape.ffn,
+                    "shared_ffn": shape.shared_ffn if shared is not None else 0}
+
+    methods = {name: build_method(name, placement, backend) for name in settings.methods}
+    skip = {name: method_skip_reason(name, m, shape, world) for name, m in methods.items()}
+    routes = sorted({routing_key(n) for n in settings.methods if skip[n] is None} - {None})
+    check = make_inputs(shape, router, settings.check_tokens,
+                        derive_seed(settings.seed, "check", shape.name, rank), device, dtype,
+                        routes, placement, with_grad_output=train)
+    references = {nd: reference_outputs(check, nd, weights, device, with_grad=train)
+                  for nd in (None, *routes)}
+    tolerance = REL_TOLERANCE[settings.dtype]
+
+    for name, method in methods.items():
+        base = {**fixed, **shape_fields, "method": name}
+        status = skip[name]
+        max_rel_err = None
+        if status is None:
+            error = None
+            try:
+                method.setup(shape, None, dtype, device, weights)
+            except Exception as err:  # noqa: BLE001 - recorded in the row and on stderr
+                error = error_text(err)
+            error = agree(error, world)
+            if error:
+                status = f"error: setup: {error}"
+        if status is None:
+            error = None
+            try:
+                max_rel_err = relative_error(method, check, routing_key(name), references[routing_key(name)], world)
+            except Exception as err:  # noqa: BLE001
+                error = error_text(err)
+            error = agree(error, world)
+            if error:
+                status = f"error: check: {error}"
+            elif not max_rel_err <= tolerance:
+                status = f"failed: max_rel_err {max_rel_err:.3g} > {tolerance:g}"
+        for size in settings.sizes:
+            row = {**base, "tokens_per_gpu": settings.tokens_per_gpu(size), "batch": settings.batch(size),
+                   "max_rel_err": max_rel_err}
+            if status is None:
+                row.update(_measure(settings, shape, name, method, shared, router, placement, size,
+                                    device, dtype, world, rank))
+            else:
+                row["status"] = status
+            emit(row)
+            bar.update(1)
+        method.teardown()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method, shared: SharedExpert | None,
+             router: SyntheticRouter, placement: torch.Tensor | None, size: int, device: torch.device,
+             dtype: torch.dtype, world: int, rank: int) -> dict[str, Any]:
+    """Time one method at one size; returns the measured columns and the status."""
+    train = settings.kind == "train"
+    tokens = settings.tokens_per_gpu(size)
+    nd = routing_key(name)
+    out: dict[str, Any] = {}
+    error = None
+    sets: list[InputSet] = []
+    try:
+        sets = [make_inputs(shape, router, tokens,
+                            derive_seed(settings.seed, settings.kind, shape.name, tokens, index, rank),
+                            device, dtype, [nd], placement, with_grad_output=train)
+                for index in range(settings.input_sets)]
+        first_ids = sets[0].routes[nd][0]
+        if isinstance(method, OccultEP):
+            out["bytes_sent"], out["mean_devices_per_token"] = method.traffic(first_ids)
+        else:
+            out["bytes_sent"] = method.bytes_sent(first_ids)
+        params = method.expert_parameters() + (list(shared.parameters()) if shared is not None else [])
+
+        def step(i: int) -> None:
+            inputs = sets[i % len(sets)]
+            ids, gate = inputs.routes[nd]
+            if train:
+                for p in params:
+                    p.grad = None
+                x = inputs.x_TD.detach().requires_grad_()
+                gate = gate.detach().requires_grad_()
+                y = method.forward(x, ids, gate)
+                if shared is not None:
+                    y = y + shared(x)
+                y.backward(inputs.dy_TD)
+            else:
+                with torch.no_grad():
+                    y = method.forward(inputs.x_TD, ids, gate)
+                    if shared is not None:
+                        y = y + shared(inputs.x_TD)
+
+        if device.type == "cuda":
+            synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times = time_steps(step, settings.repeats, settings.warmup, device, world)
+        out.update(median_ms=statistics.median(times), p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9))
+        if device.type == "cuda":
+            peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
+            if world > 1:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            out["peak_mem_gib"] = float(peak)
+    except Exception as err:  # noqa: BLE001 - recorded in the row and on stderr
+        error = error_text(err)
+    finally:
+        del sets
+    error = agree(error, world)
+    out["status"] = f"error: {error}" if error else "ok"
+    return out
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """Median ms per (shape, method) × size, and the status of rows that did not run."""
+    import pandas as pd
+
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        return
+    size_col = "tokens_per_gpu" if frame["batch"].isna().all() else "batch"
+    ok = frame[frame["status"] == "ok"]
+    if not ok.empty:
+        table = ok.pivot_table(index=["shape", "method"], columns=size_col, values="median_ms", aggfunc="first")
+        print(f"\nmedian ms per step ({frame['kind'].iloc[0]}, D={frame['D'].iloc[0]}, columns = {size_col}):")
+        print(table.to_string(float_format=lambda v: f"{v:.3f}"))
+    others = frame[frame["status"] != "ok"].drop_duplicates(["shape", "method", "status"])
+    for _, row in others.iterrows():
+        print(f"{row['shape']:>12} {row['method']:<12} {row['status']}")
+    sys.stdout.flush()
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m occult.sweep", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kind", choices=KINDS, default="prefill")
+    parser.add_argument("--shapes", nargs="+", default=["olmoe", "qwen", "deepseek"])
+    parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
+                        help="occult, occult-nd<N>, or baselines: " + ", ".join(METHOD_CLASSES))
+    parser.add_argument("--D", type=int, default=None, help="EP group size (default: torchrun's world size, else 1)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help="tokens per GPU (prefill) or batch (decode, train); default per kind")
+    parser.add_argument("--out", type=Path, default=None, help="CSV (default results/<machine>/sweep_<kind>_D<D>.csv)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence of the train kind")
+    parser.add_argument("--input-sets", type=int, default=3, help="pre-generated input sets rotated over steps")
+    parser.add_argument("--check-tokens", type=int, default=64, help="tokens per rank of the correctness check")
+    parser.add_argument("--occult-backend", choices=("auto", "torch", "triton"), default="auto")
+    parser.add_argument("--no-shared", action="store_true", help="leave out the shapes' shared experts")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
+    return parser
+
+
+def _launched_by_torchrun() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def _run_in_rank(rank: int, world: int, settings: SweepSettings) -> int:
+    return len(_sweep(settings))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import datetime
+
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SweepError("device: cuda requested but torch sees no GPU (use --device cpu)")
+    torchrun = _launched_by_torchrun()
+    if torchrun and args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))   # before any CUDA call
+    world = args.D if args.D is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if torchrun and world != int(os.environ["WORLD_SIZE"]):
+        raise SweepError(f"--D {world} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
+    launcher = f"torchrun(nproc={os.environ['WORLD_SIZE']}) " if torchrun else ""
+    command = launcher + " ".join(["python -m occult.sweep", *(argv if argv is not None else sys.argv[1:])])
+    settings = SweepSettings(
+        kind=args.kind, shapes=tuple(args.shapes), methods=tuple(args.methods), world=world,
+        sizes=tuple(args.sizes or DEFAULT_SIZES[args.kind]),
+        out_csv=str(args.out or default_out_csv(args.kind, args.device, world)),
+        repeats=args.repeats, warmup=args.warmup, device=args.device, dtype=args.dtype, seed=args.seed,
+        seq_len=args.seq_len, input_sets=args.input_sets, check_tokens=args.check_tokens,
+        occult_backend=args.occult_backend, include_shared=not args.no_shared, command=command,
+    )
+    settings.validate()
+    timeout = datetime.timedelta(seconds=args.timeout_s)
+    if torchrun:
+        if args.device == "cuda":
+            local = torch.device("cuda", torch.cuda.current_device())
+            dist.init_process_group("nccl", timeout=timeout, device_id=local)
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+        try:
+            _sweep(settings)
+        finally:
+            dist.destroy_process_group()
+        return 0
+    if args.device == "cpu":
+        from occult.ep.dist import run_ranks
+
+        run_ranks(_run_in_rank, world, settings, timeout_s=args.timeout_s, deadline_s=24 * 3600.0)
+        return 0
+    if world != 1:
+        raise SweepError(f"--D {world} on GPUs needs torchrun --nproc_per_node={world}")
+    with tempfile.TemporaryDirectory(prefix="occult-sweep-") as tmp:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
+                                timeout=timeout, device_id=torch.device("cuda", 0))
+        try:
+            _sweep(settings)
+        finally:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SweepError as err:
+        sys.exit(f"occult.sweep: {err}")

@@ -1,0 +1,158 @@
+"""The sweep harness on CPU (gloo ranks, tiny shapes, fp32): CLI smoke runs at D=1 and D=2,
+status rows for missing or broken methods, the training kind's gradient check, and inputs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+import occult.sweep as sweep
+from occult.baselines import SHAPES, Method
+from occult.ep.dist import run_ranks
+from occult.provenance import REPO_ROOT
+
+CLI_METHODS = ["occult", "occult-nd1", "naive", "fsdp", "megablocks", "tutel", "deepspeed"]
+
+
+def run_cli(tmp_path: Path, world: int, *extra: str) -> pd.DataFrame:
+    out = tmp_path / f"sweep_D{world}.csv"
+    cmd = [sys.executable, "-m", "occult.sweep", "--device", "cpu", "--dtype", "float32", "--D", str(world),
+           "--kind", "prefill", "--shapes", "tiny", "tiny-shared", "--sizes", "8", "24",
+           "--repeats", "3", "--warmup", "1", "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "median ms per step" in proc.stdout
+    return pd.read_csv(out)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_cli_smoke_writes_every_row_with_the_expected_columns(tmp_path, world):
+    methods = CLI_METHODS + (["hf"] if world == 2 else [])
+    frame = run_cli(tmp_path, world, "--methods", *methods)
+    assert list(frame.columns) == list(sweep.COLUMNS)
+    assert len(frame) == 2 * len(methods) * 2                      # shapes x methods x sizes
+    assert set(frame["D"]) == {world} and set(frame["tokens_per_gpu"]) == {8, 24}
+    assert frame["commit"].notna().all() and frame["command"].str.contains("occult.sweep").all()
+    assert frame["version_torch"].str.startswith(torch.__version__.split("+")[0]).all()
+
+    ran = frame[frame["method"].isin(["occult", "occult-nd1", "naive", "fsdp"])]
+    assert (ran["status"] == "ok").all(), ran[["method", "status"]]
+    assert (ran["median_ms"] > 0).all() and (ran["p10_ms"] <= ran["median_ms"]).all()
+    assert (ran["median_ms"] <= ran["p90_ms"]).all()
+    assert (ran["max_rel_err"] < sweep.REL_TOLERANCE["float32"]).all()
+    occult = frame[frame["method"] == "occult"]
+    assert occult["mean_devices_per_token"].between(1, min(world, 3)).all()
+    assert (frame.loc[frame["method"] == "occult-nd1", "mean_devices_per_token"] == 1).all()
+    if world == 1:
+        assert (ran["bytes_sent"] == 0).all()
+    else:
+        assert (ran["bytes_sent"] > 0).all()
+        assert frame.loc[frame["method"] == "hf", "status"].str.startswith("unsupported:").all()
+    for name in ("megablocks", "deepspeed"):
+        statuses = frame.loc[frame["method"] == name, "status"]
+        assert statuses.str.startswith("unavailable: ").all() and statuses.str.len().gt(15).all()
+        assert frame.loc[frame["method"] == name, "median_ms"].isna().all()
+
+    meta = json.loads(Path(str(tmp_path / f"sweep_D{world}.csv") + ".meta.json").read_text())
+    assert meta["commit"] and meta["settings"]["world"] == world and meta["stage"] == "sweep"
+
+
+def test_cli_rejects_bad_arguments_naming_them(tmp_path):
+    with pytest.raises(sweep.SweepError, match="shapes: shape: 'nope'"):
+        sweep.main(["--device", "cpu", "--shapes", "nope", "--out", str(tmp_path / "x.csv")])
+    with pytest.raises(sweep.SweepError, match="methods: 'bogus'"):
+        sweep.main(["--device", "cpu", "--shapes", "tiny", "--methods", "bogus", "--out", str(tmp_path / "x.csv")])
+    with pytest.raises(sweep.SweepError, match="repeats"):
+        sweep.main(["--device", "cpu", "--shapes", "tiny", "--repeats", "0", "--out", str(tmp_path / "x.csv")])
+
+
+class BrokenSetup(Method):
+    name = "broken"
+
+    def setup(self, shape, group, dtype, device, weights):
+        raise RuntimeError("this method cannot be set up")
+
+
+class WrongOutput(Method):
+    name = "wrong"
+
+    def setup(self, shape, group, dtype, device, weights):
+        self.calls = 0
+
+    def forward(self, x_TD, ids_TK, weights_TK):
+        self.calls += 1
+        return x_TD * 2.0
+
+
+def test_a_throwing_or_wrong_method_gets_a_status_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    real_build = sweep.build_method
+
+    def build(name, placement, backend):
+        if name == "megablocks":
+            return BrokenSetup()
+        if name == "tutel":
+            return WrongOutput()
+        return real_build(name, placement, backend)
+
+    monkeypatch.setattr(sweep, "build_method", build)   # inherited by the forked ranks
+    out = tmp_path / "broken.csv"
+
+    def body(rank, world):
+        rows = sweep.run_sweep("decode", ["tiny"], ["megablocks", "tutel", "naive"], world, [2, 5], out,
+                               repeats=2, warmup=0, device="cpu", dtype="float32")
+        return [(r["method"], r["status"]) for r in rows]
+
+    per_rank = run_ranks(body, 2, timeout_s=60)
+    assert per_rank[0] == per_rank[1]
+    frame = pd.read_csv(out)
+    status = dict(zip(frame["method"] + "@" + frame["batch"].astype(str), frame["status"]))
+    assert status["megablocks@2"].startswith("error: setup: rank 0: RuntimeError: this method cannot be set up")
+    assert status["tutel@5"].startswith("failed: max_rel_err")
+    assert status["naive@2"] == status["naive@5"] == "ok"
+    assert frame.loc[frame["method"] == "tutel", "median_ms"].isna().all()
+
+
+def test_train_kind_checks_gradients_and_times_forward_backward(tmp_path):
+    out = tmp_path / "train.csv"
+
+    def body(rank, world):
+        return sweep.run_sweep("train", ["tiny-shared"], ["occult", "naive", "fsdp"], world, [1, 2], out,
+                               repeats=2, warmup=1, device="cpu", dtype="float32", seq_len=8)
+
+    run_ranks(body, 2, timeout_s=60)
+    frame = pd.read_csv(out)
+    assert (frame["status"] == "ok").all(), frame[["method", "status"]]
+    assert sorted(set(frame["tokens_per_gpu"])) == [8, 16] and sorted(set(frame["batch"])) == [1, 2]
+    assert (frame["seq_len"] == 8).all() and (frame["shared_ffn"] == SHAPES["tiny-shared"].shared_ffn).all()
+    assert (frame["max_rel_err"] < 1e-4).all()
+
+
+def test_inputs_are_the_same_for_every_method_and_fresh_per_set():
+    shape = SHAPES["tiny"]
+    router = sweep.SyntheticRouter.make(shape, seed=0)
+    placement = torch.arange(shape.num_experts) % 2
+
+    def make(seed):
+        return sweep.make_inputs(shape, router, 32, seed, torch.device("cpu"), torch.float32, [None, 1],
+                                 placement, with_grad_output=False)
+
+    a, b, c = make(11), make(11), make(12)
+    assert torch.equal(a.x_TD, b.x_TD) and torch.equal(a.routes[None][0], b.routes[None][0])
+    assert not torch.equal(a.x_TD, c.x_TD)
+    ids, weights = a.routes[None]
+    assert ids.shape == (32, shape.top_k) and torch.all(weights[:, :-1] >= weights[:, 1:])
+    pruned_ids, _ = a.routes[1]
+    assert torch.all(placement[pruned_ids] == placement[pruned_ids[:, :1]])   # one device per token
+    assert sweep.derive_seed("x", 1) == sweep.derive_seed("x", 1) != sweep.derive_seed("x", 2)
+
+
+def test_quantile_interpolates():
+    assert sweep.quantile([4.0, 1.0, 3.0, 2.0, 5.0], 0.5) == 3.0
+    assert sweep.quantile([1.0, 2.0], 0.1) == pytest.approx(1.1)
+    assert sweep.quantile([7.0], 0.9) == 7.0
