@@ -17,9 +17,12 @@ table of E[C_T], its bounds, device load balance and the share of intra-device p
 
 from __future__ import annotations
 
+import contextlib
 import math
+import zipfile
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -139,84 +142,155 @@ def greedy_occult(coact_EE: np.ndarray, num_devices: int) -> np.ndarray:
     return device_of_expert
 
 
-def swap_search(ids_NK: np.ndarray, num_devices: int, init: np.ndarray, rounds: int, seed: int) -> np.ndarray:
-    """Pairwise-swap local search that minimises E[C_T] on a routing trace (k-way objective).
+def swap_search(ids_NK: np.ndarray, num_devices: int, init: np.ndarray, rounds: int, seed: int,
+                kicks: int = 16, kick_swaps: int = 3) -> np.ndarray:
+    """Swap local search that minimises E[C_T] on a routing trace (k-way, not pairwise).
 
-    Each pass visits every expert a (in a seeded random order), evaluates swapping it with every
-    expert b on another device, and applies the best swap if it strictly lowers the total C_T.
-    At most `rounds` passes; stops after a pass with no improvement. Balance is kept by
-    construction. The swap delta is exact and computed from per-token per-device counts:
+    Descent: each pass visits every expert a (in a seeded random order), evaluates swapping it with
+    every expert b on another device, and applies the best swap if it improves the objective; at
+    most `rounds` passes, stopping after a pass without a move. The objective is lexicographic:
+    first the total C_T, then, between placements of equal C_T, the number of intra-device expert
+    pairs (more is better), which lets the descent walk across the plateaus of the step-valued C_T.
 
-        Δ(a→q, b→p) = M[a, q] + M[b, p] + X[a, b],
-        M[e, q]   = #{t ∋ e : cnt[t, q] = 0} − #{t ∋ e : cnt[t, dev e] = 1}
-        X[a, b]   = Σ_{t ∋ a, b} ([cnt[t, p] = 1] + [cnt[t, q] = 1])   (tokens holding both: no change)
-
-    The tables behind M are updated only on the tokens touched by an accepted swap.
+    Single swaps still stall in "rings" (groups split 2+2 over devices that each hold halves of two
+    groups: every single swap raises C_T). So after the first descent the search is iterated
+    `kicks` times: apply `kick_swaps` random swaps to the best placement, descend again, and keep
+    the result when it is no worse. The returned placement is never worse than `init`
+    (kicks=0 gives the plain descent). Balance is kept by construction; everything is seeded.
     """
     ids_NK = _as_ids(ids_NK, len(init))
     _check_distinct_rows(ids_NK)
     num_experts = len(init)
-    device_of_expert = _validated_placement(np.asarray(init, dtype=np.int64), num_experts, num_devices, "init")
-    if rounds < 0:
-        raise ValueError(f"rounds must be non-negative, got {rounds}")
+    best = _validated_placement(np.asarray(init, dtype=np.int64), num_experts, num_devices, "init")
+    if rounds < 0 or kicks < 0 or kick_swaps < 1:
+        raise ValueError(f"rounds={rounds}, kicks={kicks} must be >= 0 and kick_swaps={kick_swaps} >= 1")
     num_tokens, top_k = ids_NK.shape
-    if num_tokens == 0 or top_k < 2 or num_devices < 2:
-        return device_of_expert
-
-    expert_flat = ids_NK.ravel()
-    token_flat = np.repeat(np.arange(num_tokens), top_k)
-    order = np.argsort(expert_flat, kind="stable")
-    bounds = np.searchsorted(expert_flat[order], np.arange(num_experts + 1))
-    tokens_of_expert = [token_flat[order[bounds[e]:bounds[e + 1]]] for e in range(num_experts)]
-
-    cnt_ND = device_counts(ids_NK, device_of_expert, num_devices)
-
-    def tables(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Contributions of `tokens` to zeros_ED[e, q] = #{t ∋ e: cnt[t,q]=0} and alone_E[e] = #{t ∋ e: cnt[t,dev e]=1}."""
-        ids_tK = ids_NK[tokens]
-        cnt_tD = cnt_ND[tokens]
-        experts = ids_tK.ravel()
-        zeros_ED = np.empty((num_experts, num_devices), dtype=np.int64)
-        for q in range(num_devices):
-            weights = np.repeat(cnt_tD[:, q] == 0, top_k)
-            zeros_ED[:, q] = np.bincount(experts, weights=weights, minlength=num_experts)
-        alone_tK = np.take_along_axis(cnt_tD, device_of_expert[ids_tK], axis=1) == 1
-        alone_E = np.bincount(experts, weights=alone_tK.ravel(), minlength=num_experts).astype(np.int64)
-        return zeros_ED, alone_E
-
-    zeros_ED, alone_E = tables(np.arange(num_tokens))
+    if num_tokens == 0 or top_k < 2 or num_devices < 2 or rounds == 0:
+        return best
     rng = np.random.default_rng(seed)
-    for _ in range(rounds):
-        improved = False
-        for a in rng.permutation(num_experts):
-            p = device_of_expert[a]
-            tokens_a = tokens_of_expert[a]
-            gain_ED = zeros_ED - alone_E[:, None]                   # M[e, q]
-            ids_aK = ids_NK[tokens_a]
-            one_aD = cnt_ND[tokens_a] == 1
-            both_weight_aK = one_aD[:, p][:, None].astype(np.int64) + np.take_along_axis(
-                one_aD, device_of_expert[ids_aK], axis=1).astype(np.int64)
-            shared_E = np.bincount(ids_aK.ravel(), weights=both_weight_aK.ravel(), minlength=num_experts)
-            delta_E = gain_ED[a, device_of_expert] + gain_ED[:, p] + shared_E
-            delta_E[device_of_expert == p] = np.inf                 # same device (a itself included)
-            b = int(np.argmin(delta_E))
-            if not delta_E[b] < 0:
-                continue
-            q = device_of_expert[b]
-            touched = np.union1d(tokens_a, tokens_of_expert[b])
-            old_zeros, old_alone = tables(touched)
-            cnt_ND[tokens_a, p] -= 1
-            cnt_ND[tokens_a, q] += 1
-            cnt_ND[tokens_of_expert[b], q] -= 1
-            cnt_ND[tokens_of_expert[b], p] += 1
-            device_of_expert[a], device_of_expert[b] = q, p
-            new_zeros, new_alone = tables(touched)
-            zeros_ED += new_zeros - old_zeros
-            alone_E += new_alone - old_alone
-            improved = True
-        if not improved:
-            break
-    return device_of_expert
+    with _single_threaded_blas():
+        state = _SwapState(ids_NK, best, num_devices)
+        best = state.descend(rounds, rng)
+        best_score = _score(ids_NK, best, num_devices)
+        for _ in range(kicks):
+            candidate = best.copy()
+            for _ in range(kick_swaps):
+                a = int(rng.integers(num_experts))
+                others = np.flatnonzero(candidate != candidate[a])
+                b = int(others[rng.integers(len(others))])
+                candidate[a], candidate[b] = candidate[b], candidate[a]
+            state.reset(candidate)
+            candidate = state.descend(rounds, rng)
+            candidate_score = _score(ids_NK, candidate, num_devices)
+            if candidate_score <= best_score:
+                best, best_score = candidate, candidate_score
+    return best
+
+
+def _score(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int) -> tuple[int, int]:
+    """Lexicographic objective of the swap search: (total C_T, −intra-device pairs)."""
+    cnt_ND = device_counts(ids_NK, device_of_expert, num_devices)
+    return int((cnt_ND > 0).sum()), -int((cnt_ND * (cnt_ND - 1) // 2).sum())
+
+
+class _SwapState:
+    """A placement with the tables that price every swap exactly. With cnt[t, d] the number of
+    token t's experts on device d, a on device p, b on device q (tokens holding both a and b do
+    not change):
+
+        ΔC_T    = Z[a, q] − S[a] + Z[b, p] − S[b] + Σ_{t ∋ a,b} ([cnt[t,p] = 1] + [cnt[t,q] = 1])
+        Δpairs  = W[a, q] − W[a, p] + |T_a| + W[b, p] − W[b, q] + |T_b| − 2·|T_a ∩ T_b|
+        Z[e, d] = #{t ∋ e : cnt[t, d] = 0},  S[e] = #{t ∋ e : cnt[t, dev e] = 1},  W[e, d] = Σ_{t ∋ e} cnt[t, d]
+
+    A swap updates cnt, Z, S, W from the tokens it touches only.
+    """
+
+    CHUNK = 65536
+
+    def __init__(self, ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int):
+        self.ids_NK = ids_NK
+        self.num_devices = num_devices
+        self.num_experts = len(device_of_expert)
+        num_tokens, top_k = ids_NK.shape
+        expert_flat = ids_NK.ravel()
+        token_flat = np.repeat(np.arange(num_tokens), top_k)
+        order = np.argsort(expert_flat, kind="stable")
+        bounds = np.searchsorted(expert_flat[order], np.arange(self.num_experts + 1))
+        self.tokens_of_expert = [token_flat[order[bounds[e]:bounds[e + 1]]] for e in range(self.num_experts)]
+        self.size_E = np.diff(bounds).astype(np.int64)
+        self.ids_of_expert = [ids_NK[tokens] for tokens in self.tokens_of_expert]     # static: cached
+        self.tie_scale = 2 * top_k * num_tokens + 1          # > any |Δpairs|: one integer key per swap
+        self.reset(device_of_expert)
+
+    def reset(self, device_of_expert: np.ndarray) -> None:
+        """Start over from another placement (the per-expert token index is kept)."""
+        num_tokens = len(self.ids_NK)
+        self.device_of_expert = device_of_expert.copy()
+        self.cnt_ND = device_counts(self.ids_NK, self.device_of_expert, self.num_devices)
+        parts = [self._tables(np.arange(start, min(start + self.CHUNK, num_tokens)))
+                 for start in range(0, num_tokens, self.CHUNK)]
+        self.zeros_ED, self.alone_E, self.mass_ED = (sum(tables) for tables in zip(*parts))
+
+    def _tables(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Contributions of `tokens` to Z [E, D], S [E] and W [E, D]."""
+        ids_tK = self.ids_NK[tokens]
+        cnt_tD = self.cnt_ND[tokens]
+        incidence_tE = np.zeros((len(tokens), self.num_experts))
+        np.put_along_axis(incidence_tE, ids_tK, 1.0, axis=1)
+        # exact: float64 sums of small integers; one product gives Z and W together
+        both_E2D = np.rint(incidence_tE.T @ np.concatenate([cnt_tD == 0, cnt_tD], axis=1)).astype(np.int64)
+        alone_tK = np.take_along_axis(cnt_tD, self.device_of_expert[ids_tK], axis=1) == 1
+        alone_E = np.bincount(ids_tK.ravel(), weights=alone_tK.ravel(), minlength=self.num_experts).astype(np.int64)
+        return both_E2D[:, :self.num_devices], alone_E, both_E2D[:, self.num_devices:]
+
+    def deltas(self, a: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ΔC_T [E], Δpairs [E]) of swapping a with each expert b (meaningless where dev b = dev a)."""
+        dev_E = self.device_of_expert
+        p = dev_E[a]
+        tokens_a = self.tokens_of_expert[a]
+        ids_aK = self.ids_of_expert[a]
+        one_aD = self.cnt_ND[tokens_a] == 1
+        rows_aK = np.arange(len(tokens_a))[:, None]
+        shared_weight_aK = one_aD[:, [p]].astype(np.int64) + one_aD[rows_aK, dev_E[ids_aK]]
+        shared_ct_E = np.bincount(ids_aK.ravel(), weights=shared_weight_aK.ravel(), minlength=self.num_experts)
+        shared_tokens_E = np.bincount(ids_aK.ravel(), minlength=self.num_experts)
+        gain_ED = self.zeros_ED - self.alone_E[:, None]
+        own_mass_E = self.mass_ED[np.arange(self.num_experts), dev_E]
+        delta_ct_E = gain_ED[a, dev_E] + gain_ED[:, p] + shared_ct_E.astype(np.int64)
+        delta_pairs_E = (self.mass_ED[a, dev_E] - self.mass_ED[a, p] + self.size_E[a]
+                         + self.mass_ED[:, p] - own_mass_E + self.size_E - 2 * shared_tokens_E)
+        return delta_ct_E, delta_pairs_E
+
+    def swap(self, a: int, b: int) -> None:
+        p, q = self.device_of_expert[a], self.device_of_expert[b]
+        tokens_a, tokens_b = self.tokens_of_expert[a], self.tokens_of_expert[b]
+        touched = np.union1d(tokens_a, tokens_b)
+        old = self._tables(touched)
+        self.cnt_ND[tokens_a, p] -= 1
+        self.cnt_ND[tokens_a, q] += 1
+        self.cnt_ND[tokens_b, q] -= 1
+        self.cnt_ND[tokens_b, p] += 1
+        self.device_of_expert[a], self.device_of_expert[b] = q, p
+        new = self._tables(touched)
+        self.zeros_ED += new[0] - old[0]
+        self.alone_E += new[1] - old[1]
+        self.mass_ED += new[2] - old[2]
+
+    def descend(self, rounds: int, rng: np.random.Generator) -> np.ndarray:
+        """Best swap per expert while it improves (C_T, −pairs); at most `rounds` passes."""
+        for _ in range(rounds):
+            moved = False
+            for a in rng.permutation(self.num_experts):
+                delta_ct_E, delta_pairs_E = self.deltas(a)
+                key_E = delta_ct_E * self.tie_scale - delta_pairs_E
+                key_E[self.device_of_expert == self.device_of_expert[a]] = np.iinfo(np.int64).max
+                b = int(np.argmin(key_E))
+                if key_E[b] < 0:
+                    self.swap(a, b)
+                    moved = True
+            if not moved:
+                break
+        return self.device_of_expert.copy()
 
 
 def place(method: str, coact_EE: np.ndarray, ids_calib_NK: np.ndarray, num_devices: int,
@@ -240,7 +314,12 @@ def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path
     """Place every profiled layer for each D in `cfg.placement.devices` and each method.
 
     Reads `profile.npz`, `routing_calibration.npz` and `routing_heldout.npz` from `profile_dir`;
-    writes `out_dir/D{D}_{method}.json` and the long table `table_csv` (+ `.meta.json` sidecar).
+    writes `out_dir/D{D}_{method}.json` and the long table `table_csv` (+ `.meta.json` sidecar),
+    one row per (D, method, layer) and a `layer = "mean"` row per (D, method). Placements see the
+    calibration data only (co-activation counts; the calibration trace for `swap`). Load balance
+    (busiest device's expert assignments over the mean) and the intra-device pair share are
+    measured on the held-out trace, like `expected_ct_heldout`. Layer i's swap search is seeded
+    with `cfg.seed + i`.
     """
     import pandas as pd
 
@@ -382,6 +461,35 @@ def load_placement(path: Path, num_experts: int | None = None, num_devices: int 
 
 # ----------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _load_npz(path: Path, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The named arrays of an .npz file; a missing, truncated or incomplete file names itself."""
+    path = Path(path)
+    if not path.is_file():
+        raise PlacementFileError(f"{path}: file does not exist")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            missing = [key for key in keys if key not in archive.files]
+            if missing:
+                raise PlacementFileError(f"{path}: missing array(s) {', '.join(missing)} (has {', '.join(archive.files)})")
+            return {key: archive[key] for key in keys}
+    except PlacementFileError:
+        raise
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as err:
+        raise PlacementFileError(f"{path}: not a readable .npz file ({type(err).__name__}: {err})") from None
+
+
+@contextlib.contextmanager
+def _single_threaded_blas() -> Iterator[None]:
+    """The search's matrix products are small; BLAS threads only contend (with other jobs too)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
 
 
 def _experts_per_device(num_experts: int, num_devices: int) -> int:

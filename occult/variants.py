@@ -31,11 +31,11 @@ def routing_for_variant(cfg: Config, variant: Variant | str, placements_dir: Pat
         return None
     layers, device_of_expert_LE = load_placement_layers(placement_file(cfg, placements_dir))
     placement = {layer: torch.as_tensor(row, dtype=torch.long) for layer, row in zip(layers, device_of_expert_LE)}
-    k, gate = cfg.top_k, cfg.finetune.gate_weights
+    k, gate, devices = cfg.top_k, cfg.finetune.gate_weights, cfg.finetune.devices
     if v.method == "router":
         def route(layer: int, logits_TE: torch.Tensor):
             return prune_router_score(logits_TE, k, placement[layer].to(logits_TE.device), v.max_devices,
-                                      gate=gate, norm_topk_prob=norm_topk_prob)
+                                      gate=gate, norm_topk_prob=norm_topk_prob, num_devices=devices)
         return route
 
     from occult.profiling import expert_similarity, load_profile
@@ -47,5 +47,6 @@ def routing_for_variant(cfg: Config, variant: Variant | str, placements_dir: Pat
 
     def route_sim(layer: int, logits_TE: torch.Tensor):
         return prune_similarity(logits_TE, k, placement[layer].to(logits_TE.device), v.max_devices,
-                                similarity[layer].to(logits_TE.device), gate=gate)
+                                similarity[layer].to(logits_TE.device), gate=gate,
+                                norm_topk_prob=norm_topk_prob, num_devices=devices)
     return route_sim
