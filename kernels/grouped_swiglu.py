@@ -1,0 +1,513 @@
+"""Gather-fused grouped gate/up GEMM with the SwiGLU fused in its epilogue, in Triton.
+
+Math (e = expert of pair m, Wg = W[e, :F], Wu = W[e, F:]; fp32 accumulation):
+  forward   g[m] = x[row[m]] @ Wg^T,  u[m] = x[row[m]] @ Wu^T,  h[m] = silu(g[m]) * u[m]
+  backward  with s = sigmoid(g):  dg = dh * u * s * (1 + g * (1 - s)),  du = dh * silu(g)
+            dx[r]   = Σ_{m : row[m] = r} dg[m] @ Wg + du[m] @ Wu      (fp32, deterministic)
+            dW[e]   = [dg_e^T x_e ; du_e^T x_e]                        (x_e = x[row[m]], m ∈ e)
+
+Layout (see `reference.py`): `x_RD` [R, D]; `pair_row_M` int [M] sorted by expert with
+`expert_offsets` int [E+1]; `w_gate_up_E2FD` [E, 2F, D] (rows :F gate, F: up); `h_MF` [M, F].
+Any strides are accepted; the index tensors are made contiguous.
+
+Design:
+* One launch per op over all experts. The programs of the M dimension follow a tile schedule:
+  expert e owns ceil(count_e / BLOCK_M) tiles; the bound cdiv(M, BLOCK_M) + E is fixed on the
+  host (no host sync), and each program finds its (expert, first pair) from a cumsum of the
+  per-expert tile counts, computed on the device inside the kernel (`expert_tile`); programs past
+  the last tile exit at once. Program ids are swizzled in groups of GROUP_M tiles so that
+  neighbouring programs share the gathered x rows and the expert's weight tile in L2.
+* The forward loads x[row[m]] inside the kernel (x is never materialised in expert order), and
+  one program computes both the gate and the up halves of the same F block, so both share the
+  gathered A tile; the SwiGLU runs in fp32 in the epilogue.
+* The backward needs the pre-activations g, u. They are SAVED by the forward (an [M, 2F] tensor in
+  x's dtype, written by the same epilogue) rather than recomputed: recomputing costs another
+  M·2F·D GEMM (+50% backward FLOPs), saving costs M·2F·2 bytes of memory traffic (≈0.1 ms at
+  the OLMoE shape on an H200). The forward writes them only when autograd will need them.
+* dg/du are recomputed from (dh, g, u) inside both backward GEMMs (in their A-operand prologue),
+  so the [M, 2F] gradient of the pre-activations is never materialised.
+* dx: each pair's dx row goes to an fp32 [M, D] buffer, then a deterministic segmented sum over
+  a row→pairs CSR (see `combine.py`) adds the pairs of each row in a fixed order (no atomics:
+  bitwise reproducible, autotune-safe, and the interpreter has no bf16 atomics).
+* dW: one program per (expert, F block, D block), looping over that expert's pairs; an empty
+  expert writes zeros.
+
+Tiles are bf16/fp16 `tl.dot`s with fp32 accumulators; fp32 inputs use input_precision="ieee"
+(no TF32). On a GPU the kernels are autotuned over a few configs (key: D, F); under
+TRITON_INTERPRET=1 one config with 16-wide blocks is used, decided at launch time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+import triton
+import triton.language as tl
+
+from .combine import interpreting, row_csr, segment_sum_rows
+
+
+def _configs(*shapes: tuple[int, int, int, int, int]) -> tuple[triton.Config, ...]:
+    return tuple(
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+        for bm, bn, bk, warps, stages in shapes
+    )
+
+
+# GPU autotuning candidates (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), chosen from an offline
+# sm_90 compile (triton 3.9) so that none needs more than 227 KiB of shared memory or spills.
+# The forward and dW kernels carry two accumulators (gate and up), so their N block is half-width.
+SWIGLU_FWD_CONFIGS = _configs(
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 8, 4), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3),
+)
+SWIGLU_DX_CONFIGS = _configs(
+    (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 8, 4), (128, 128, 64, 8, 2), (64, 64, 64, 4, 4),
+)
+SWIGLU_DW_CONFIGS = _configs(
+    (128, 64, 64, 8, 4), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3), (64, 64, 64, 4, 4),
+)
+SINGLE_ACC_CONFIGS = _configs(
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 128, 32, 8, 4),
+)
+# Without autotuning: the interpreter (16-wide blocks keep its per-program cost low while still
+# giving several tiles per expert in tests), fp32 inputs on a GPU (a correctness path only) and
+# small problems (tuning them buys little and each tuned shape costs several compiles).
+INTERPRET_GEMM_META = MappingProxyType({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16})
+FP32_GEMM_META = MappingProxyType({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2})
+SMALL_GEMM_META = MappingProxyType({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3})
+AUTOTUNE_MIN_PAIRS = 8192
+GROUP_M = 8
+
+
+def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int) -> Mapping[str, int] | None:
+    """The single config to launch with, or None to autotune (decided per launch)."""
+    if interpreting():
+        return INTERPRET_GEMM_META
+    if dtype == torch.float32:
+        return FP32_GEMM_META
+    if num_pairs < AUTOTUNE_MIN_PAIRS:
+        return SMALL_GEMM_META
+    return None
+
+
+def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dtype, num_pairs: int) -> None:
+    """Launch `kernel` with the fixed config for (dtype, size), or its autotuned wrapper `tuned`."""
+    meta = fixed_gemm_meta(dtype, num_pairs)
+    if meta is None:
+        tuned[grid](*args, **consts)
+    else:
+        kernel[grid(meta)](*args, **consts, **meta)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot` input precision: exact fp32 products for fp32 inputs (tensor cores otherwise)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared device helpers (also used by grouped_down_reduce)
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """(expert, first pair, end pair) of M-tile `pid_m`; expert ≥ num_experts means idle."""
+    e_idx = tl.arange(0, EXPERTS_P2)
+    is_expert = e_idx < num_experts
+    lo = tl.load(offsets_ptr + e_idx, mask=is_expert, other=0)
+    hi = tl.load(offsets_ptr + e_idx + 1, mask=is_expert, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, axis=0)
+    expert = tl.sum((tiles_end <= pid_m).to(tl.int32), axis=0)
+    mine = e_idx == expert
+    tile_in_expert = pid_m - tl.sum(tl.where(mine, tiles_end - tiles, 0), axis=0)
+    start = tl.sum(tl.where(mine, lo, 0), axis=0) + tile_in_expert * BLOCK_M
+    end = tl.sum(tl.where(mine, hi, 0), axis=0)
+    return expert, start, end
+
+
+@triton.jit
+def swizzle_tiles(pid, num_pid_m, num_pid_n, GROUP_SIZE: tl.constexpr):
+    """Map a flat program id to (pid_m, pid_n), walking GROUP_SIZE M-tiles per N column."""
+    per_group = GROUP_SIZE * num_pid_n
+    first_m = (pid // per_group) * GROUP_SIZE
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_SIZE)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+def m_tile_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of Σ_e ceil(count_e / block_m), known without reading the counts."""
+    return triton.cdiv(num_pairs, block_m) + num_experts
+
+
+def check_grouped_args(op: str, pair_row_M: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,
+                       weight_name: str, device: torch.device) -> None:
+    """Shape/dtype/device checks shared by the grouped ops; raises ValueError naming the field."""
+    if pair_row_M.dim() != 1 or pair_row_M.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: pair_row_M must be a 1-D int tensor, got {tuple(pair_row_M.shape)} {pair_row_M.dtype}")
+    if expert_offsets.dim() != 1 or expert_offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"{op}: expert_offsets must be a 1-D int tensor, got {tuple(expert_offsets.shape)} {expert_offsets.dtype}"
+        )
+    if weight.dim() != 3:
+        raise ValueError(f"{op}: {weight_name} must be 3-D, got shape {tuple(weight.shape)}")
+    if expert_offsets.shape[0] != weight.shape[0] + 1:
+        raise ValueError(
+            f"{op}: expert_offsets has {expert_offsets.shape[0]} entries, expected E+1 = {weight.shape[0] + 1} "
+            f"for {weight_name} of {weight.shape[0]} experts"
+        )
+    for name, tensor in (("pair_row_M", pair_row_M), ("expert_offsets", expert_offsets), (weight_name, weight)):
+        if tensor.device != device:
+            raise ValueError(f"{op}: {name} is on {tensor.device}, expected {device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    x_ptr, row_ptr, offsets_ptr, w_ptr, h_ptr, pre_ptr,
+    M, D, F, num_experts,
+    stride_xr, stride_xd, stride_we, stride_wf, stride_wd, stride_hm, stride_hf, stride_pm, stride_pf,
+    SAVE_PREACT: tl.constexpr, PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
+    pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(F, BLOCK_N), GROUP_SIZE)
+    expert, start, end = expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+    if expert >= num_experts:
+        return
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < F
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows[:, None] * stride_xr + offs_k[None, :] * stride_xd
+    bg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wd
+    bu_ptrs = bg_ptrs + F * stride_wf
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        mask_k = offs_k < D - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_xd
+        bg_ptrs += BLOCK_K * stride_wd
+        bu_ptrs += BLOCK_K * stride_wd
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    mask_mn = mask_m[:, None] & mask_n[None, :]
+    offs_m64 = offs_m.to(tl.int64)
+    tl.store(h_ptr + offs_m64[:, None] * stride_hm + offs_n[None, :] * stride_hf,
+             h.to(h_ptr.dtype.element_ty), mask=mask_mn)
+    if SAVE_PREACT:
+        pre_ptrs = pre_ptr + offs_m64[:, None] * stride_pm + offs_n[None, :] * stride_pf
+        tl.store(pre_ptrs, acc_g.to(pre_ptr.dtype.element_ty), mask=mask_mn)
+        tl.store(pre_ptrs + F * stride_pf, acc_u.to(pre_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
+def _swiglu_grad_preact(dh, g, u):
+    """(dg, du) in fp32 from dh and the saved pre-activations g (gate) and u (up)."""
+    dh = dh.to(tl.float32)
+    g = g.to(tl.float32)
+    u = u.to(tl.float32)
+    sig = tl.sigmoid(g)
+    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+    du = dh * g * sig
+    return dg, du
+
+
+@triton.jit
+def _swiglu_bwd_dx_kernel(
+    dh_ptr, pre_ptr, offsets_ptr, w_ptr, dxp_ptr,
+    M, D, F, num_experts,
+    stride_dm, stride_df, stride_pm, stride_pf, stride_we, stride_wf, stride_wd, stride_xm, stride_xd,
+    PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
+    pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_SIZE)
+    expert, start, end = expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+    if expert >= num_experts:
+        return
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    offs_m64 = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < D
+    offs_k = tl.arange(0, BLOCK_K)
+    dh_ptrs = dh_ptr + offs_m64[:, None] * stride_dm + offs_k[None, :] * stride_df
+    g_ptrs = pre_ptr + offs_m64[:, None] * stride_pm + offs_k[None, :] * stride_pf
+    u_ptrs = g_ptrs + F * stride_pf
+    bg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wf + offs_n[None, :] * stride_wd
+    bu_ptrs = bg_ptrs + F * stride_wf
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        mask_k = offs_k < F - k0
+        mask_a = mask_m[:, None] & mask_k[None, :]
+        dg, du = _swiglu_grad_preact(
+            tl.load(dh_ptrs, mask=mask_a, other=0.0),
+            tl.load(g_ptrs, mask=mask_a, other=0.0),
+            tl.load(u_ptrs, mask=mask_a, other=0.0),
+        )
+        bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(dg.to(bg.dtype), bg, acc, input_precision=PRECISION)
+        acc = tl.dot(du.to(bu.dtype), bu, acc, input_precision=PRECISION)
+        dh_ptrs += BLOCK_K * stride_df
+        g_ptrs += BLOCK_K * stride_pf
+        u_ptrs += BLOCK_K * stride_pf
+        bg_ptrs += BLOCK_K * stride_wf
+        bu_ptrs += BLOCK_K * stride_wf
+    tl.store(dxp_ptr + offs_m64[:, None] * stride_xm + offs_n[None, :] * stride_xd, acc,
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _swiglu_bwd_dw_kernel(
+    dh_ptr, pre_ptr, x_ptr, row_ptr, offsets_ptr, dw_ptr,
+    D, F,
+    stride_dm, stride_df, stride_pm, stride_pf, stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Output tile [BLOCK_M of F, BLOCK_N of D] of expert e; the reduction runs over e's pairs.
+    pid = tl.program_id(0)
+    tiles_f = tl.cdiv(F, BLOCK_M)
+    tiles_d = tl.cdiv(D, BLOCK_N)
+    expert = pid // (tiles_f * tiles_d)
+    pid_f = (pid % (tiles_f * tiles_d)) // tiles_d
+    pid_d = pid % tiles_d
+    lo = tl.load(offsets_ptr + expert)
+    hi = tl.load(offsets_ptr + expert + 1)
+    offs_f = pid_f * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_f = offs_f < F
+    offs_d = pid_d * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_d = offs_d < D
+    offs_k = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(lo, hi, BLOCK_K):
+        pairs = k0 + offs_k
+        mask_k = pairs < hi
+        pairs64 = pairs.to(tl.int64)
+        mask_kf = mask_k[:, None] & mask_f[None, :]
+        g_ptrs = pre_ptr + pairs64[:, None] * stride_pm + offs_f[None, :] * stride_pf
+        dg, du = _swiglu_grad_preact(
+            tl.load(dh_ptr + pairs64[:, None] * stride_dm + offs_f[None, :] * stride_df, mask=mask_kf, other=0.0),
+            tl.load(g_ptrs, mask=mask_kf, other=0.0),
+            tl.load(g_ptrs + F * stride_pf, mask=mask_kf, other=0.0),
+        )
+        rows = tl.load(row_ptr + pairs, mask=mask_k, other=0).to(tl.int64)
+        xk = tl.load(x_ptr + rows[:, None] * stride_xr + offs_d[None, :] * stride_xd,
+                     mask=mask_k[:, None] & mask_d[None, :], other=0.0)
+        acc_g = tl.dot(tl.trans(dg.to(xk.dtype)), xk, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(tl.trans(du.to(xk.dtype)), xk, acc_u, input_precision=PRECISION)
+    out_ptrs = dw_ptr + expert.to(tl.int64) * stride_we + offs_f[:, None] * stride_wf + offs_d[None, :] * stride_wd
+    mask_fd = mask_f[:, None] & mask_d[None, :]
+    tl.store(out_ptrs, acc_g.to(dw_ptr.dtype.element_ty), mask=mask_fd)
+    tl.store(out_ptrs + F * stride_wf, acc_u.to(dw_ptr.dtype.element_ty), mask=mask_fd)
+
+
+_swiglu_fwd_tuned = triton.autotune(configs=list(SWIGLU_FWD_CONFIGS), key=["D", "F"])(_swiglu_fwd_kernel)
+_swiglu_bwd_dx_tuned = triton.autotune(configs=list(SWIGLU_DX_CONFIGS), key=["D", "F"])(_swiglu_bwd_dx_kernel)
+_swiglu_bwd_dw_tuned = triton.autotune(configs=list(SWIGLU_DW_CONFIGS), key=["D", "F"])(_swiglu_bwd_dw_kernel)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_swiglu(x_RD: torch.Tensor, pair_row_M: torch.Tensor, expert_offsets: torch.Tensor,
+                  w_gate_up_E2FD: torch.Tensor) -> None:
+    op = "grouped_swiglu"
+    if x_RD.dim() != 2 or x_RD.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"{op}: x_RD must be a 2-D fp32/fp16/bf16 tensor, got {tuple(x_RD.shape)} {x_RD.dtype}")
+    check_grouped_args(op, pair_row_M, expert_offsets, w_gate_up_E2FD, "w_gate_up_E2FD", x_RD.device)
+    if w_gate_up_E2FD.shape[1] % 2 != 0 or w_gate_up_E2FD.shape[2] != x_RD.shape[1]:
+        raise ValueError(
+            f"{op}: w_gate_up_E2FD must be [E, 2F, D={x_RD.shape[1]}], got {tuple(w_gate_up_E2FD.shape)}"
+        )
+    if w_gate_up_E2FD.dtype != x_RD.dtype:
+        raise ValueError(f"{op}: w_gate_up_E2FD is {w_gate_up_E2FD.dtype} but x_RD is {x_RD.dtype}")
+
+
+def grouped_swiglu_forward(
+    x_RD: torch.Tensor,
+    pair_row_M: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_gate_up_E2FD: torch.Tensor,
+    save_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h_MF, preact_M2F): the SwiGLU output and, if `save_preact`, the [g | u] pre-activations
+    (else a [0, 2F] tensor). Both in x's dtype."""
+    _check_swiglu(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD)
+    pair_row_M = pair_row_M.contiguous()
+    expert_offsets = expert_offsets.contiguous()
+    num_experts, two_f, hidden = w_gate_up_E2FD.shape
+    ffn = two_f // 2
+    num_pairs = pair_row_M.shape[0]
+    h_MF = torch.empty(num_pairs, ffn, dtype=x_RD.dtype, device=x_RD.device)
+    preact_M2F = torch.empty(num_pairs if save_preact else 0, two_f, dtype=x_RD.dtype, device=x_RD.device)
+    if num_pairs == 0 or ffn == 0:
+        return h_MF, preact_M2F
+    if hidden == 0:
+        preact_M2F.zero_()
+        return h_MF.zero_(), preact_M2F
+    pre = preact_M2F if save_preact else h_MF     # a placeholder pointer when not saving
+    args = (
+        x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, h_MF, pre,
+        num_pairs, hidden, ffn, num_experts,
+        *x_RD.stride(), *w_gate_up_E2FD.stride(), *h_MF.stride(), *pre.stride(),
+    )
+    consts = dict(SAVE_PREACT=save_preact, PRECISION=dot_precision(x_RD.dtype), GROUP_SIZE=GROUP_M,
+                  EXPERTS_P2=triton.next_power_of_2(num_experts))
+
+    def grid(meta):
+        return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"]),)
+
+    launch_gemm(_swiglu_fwd_tuned, _swiglu_fwd_kernel, grid, args, consts, x_RD.dtype, num_pairs)
+    return h_MF, preact_M2F
+
+
+def grouped_swiglu_backward(
+    dh_MF: torch.Tensor,
+    x_RD: torch.Tensor,
+    pair_row_M: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_gate_up_E2FD: torch.Tensor,
+    preact_M2F: torch.Tensor,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx_RD, dW_E2FD); a gradient that is not needed comes back as an empty [0] tensor."""
+    _check_swiglu(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD)
+    pair_row_M = pair_row_M.contiguous()
+    expert_offsets = expert_offsets.contiguous()
+    num_experts, two_f, hidden = w_gate_up_E2FD.shape
+    ffn = two_f // 2
+    num_pairs = pair_row_M.shape[0]
+    if preact_M2F.shape != (num_pairs, two_f):
+        raise ValueError(
+            f"grouped_swiglu backward: preact_M2F is {tuple(preact_M2F.shape)}, expected ({num_pairs}, {two_f}); "
+            "was the forward run without grad enabled?"
+        )
+    if dh_MF.shape != (num_pairs, ffn):
+        raise ValueError(f"grouped_swiglu backward: dh_MF is {tuple(dh_MF.shape)}, expected ({num_pairs}, {ffn})")
+    dx_RD, dw_E2FD = x_RD.new_empty(0), w_gate_up_E2FD.new_empty(0)
+    precision = dot_precision(x_RD.dtype)
+    if need_dx:
+        if num_pairs == 0 or ffn == 0 or hidden == 0:
+            dx_RD = torch.zeros_like(x_RD, memory_format=torch.contiguous_format)
+        else:
+            dxp_MD = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x_RD.device)
+            args = (
+                dh_MF, preact_M2F, expert_offsets, w_gate_up_E2FD, dxp_MD,
+                num_pairs, hidden, ffn, num_experts,
+                *dh_MF.stride(), *preact_M2F.stride(), *w_gate_up_E2FD.stride(), *dxp_MD.stride(),
+            )
+            consts = dict(PRECISION=precision, GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
+
+            def grid_dx(meta):
+                return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
+
+            launch_gemm(_swiglu_bwd_dx_tuned, _swiglu_bwd_dx_kernel, grid_dx, args, consts, x_RD.dtype, num_pairs)
+            order_M, row_ptr = row_csr(pair_row_M, x_RD.shape[0])
+            dx_RD = segment_sum_rows(dxp_MD, order_M, row_ptr, x_RD.dtype)
+    if need_dw:
+        if num_pairs == 0 or ffn == 0 or hidden == 0:
+            dw_E2FD = torch.zeros_like(w_gate_up_E2FD, memory_format=torch.contiguous_format)
+        else:
+            dw_E2FD = torch.empty(num_experts, two_f, hidden, dtype=w_gate_up_E2FD.dtype, device=x_RD.device)
+            args = (
+                dh_MF, preact_M2F, x_RD, pair_row_M, expert_offsets, dw_E2FD,
+                hidden, ffn,
+                *dh_MF.stride(), *preact_M2F.stride(), *x_RD.stride(), *dw_E2FD.stride(),
+            )
+
+            def grid_dw(meta):
+                return (num_experts * triton.cdiv(ffn, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
+
+            launch_gemm(_swiglu_bwd_dw_tuned, _swiglu_bwd_dw_kernel, grid_dw, args, dict(PRECISION=precision),
+                        x_RD.dtype, num_pairs)
+    return dx_RD, dw_E2FD
+
+
+# ----------------------------------------------------------------------------------------------
+# Differentiable op
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("occult::grouped_swiglu_fwd", mutates_args=())
+def _grouped_swiglu_op(
+    x_RD: torch.Tensor, pair_row_M: torch.Tensor, expert_offsets: torch.Tensor, w_gate_up_E2FD: torch.Tensor,
+    save_preact: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return grouped_swiglu_forward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact)
+
+
+@_grouped_swiglu_op.register_fake
+def _(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact):
+    two_f = w_gate_up_E2FD.shape[1]
+    num_pairs = pair_row_M.shape[0]
+    return x_RD.new_empty(num_pairs, two_f // 2), x_RD.new_empty(num_pairs if save_preact else 0, two_f)
+
+
+@torch.library.custom_op("occult::grouped_swiglu_bwd", mutates_args=())
+def _grouped_swiglu_backward_op(
+    dh_MF: torch.Tensor, x_RD: torch.Tensor, pair_row_M: torch.Tensor, expert_offsets: torch.Tensor,
+    w_gate_up_E2FD: torch.Tensor, preact_M2F: torch.Tensor, need_dx: bool, need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return grouped_swiglu_backward(dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F,
+                                   need_dx, need_dw)
+
+
+@_grouped_swiglu_backward_op.register_fake
+def _(dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw):
+    dx = x_RD.new_empty(x_RD.shape if need_dx else (0,))
+    dw = w_gate_up_E2FD.new_empty(w_gate_up_E2FD.shape if need_dw else (0,))
+    return dx, dw
+
+
+def _swiglu_setup_context(ctx, inputs, output) -> None:
+    x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, _ = inputs
+    _, preact_M2F = output
+    ctx.save_for_backward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F)
+    ctx.set_materialize_grads(False)
+
+
+def _swiglu_grad(ctx, dh_MF, _dpreact):
+    x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
+    if dh_MF is None or not (need_dx or need_dw):
+        return None, None, None, None, None
+    dx_RD, dw_E2FD = _grouped_swiglu_backward_op(
+        dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw
+    )
+    return (dx_RD if need_dx else None), None, None, (dw_E2FD if need_dw else None), None
+
+
+_grouped_swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup_context)
+
+
+def grouped_swiglu(
+    x_RD: torch.Tensor,
+    pair_row_M: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    w_gate_up_E2FD: torch.Tensor,
+) -> torch.Tensor:
+    """h [M, F] = silu(x[row] Wg[e]^T) * (x[row] Wu[e]^T), fp32 accumulation (differentiable in x, W)."""
+    save_preact = torch.is_grad_enabled() and (x_RD.requires_grad or w_gate_up_E2FD.requires_grad)
+    h_MF, _ = _grouped_swiglu_op(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact)
+    return h_MF

@@ -1,0 +1,182 @@
+"""grouped_down_reduce (Triton) against grouped_down_reduce_ref: forward, dh, dgate and dWd, over
+edge-case routings (several pairs per row, rows with none, empty / hot experts, M = 0, R = 1)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from occult.kernels import grouped_down_reduce, grouped_down_reduce_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# name -> (rows R, hidden D, ffn F, experts E, experts of each row)
+CASES = {
+    "basic": (24, 32, 16, 4, "random2"),
+    "npow2": (20, 48, 40, 4, "random2"),
+    "empty_experts": (18, 32, 24, 4, [[0, 2], [2], [], [0], [2, 0], [2]] * 3),
+    "hot_expert": (40, 32, 16, 4, [[3]] * 40),
+    "no_pairs": (6, 32, 16, 3, [[]] * 6),
+    "one_row": (1, 48, 40, 4, [[3, 1, 0]]),
+    "all_experts": (9, 32, 16, 4, [[0, 1, 2, 3], [], [3, 2, 1, 0]] * 3),
+}
+DTYPES = {  # dtype -> (atol, rtol) against an fp32 reference
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-2, 1e-2),
+}
+
+
+def pairs_from_rows(row_experts: list[list[int]], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair_row_M, expert_offsets) with pairs sorted by expert (row order inside an expert)."""
+    by_expert = [[r for r, experts in enumerate(row_experts) if e in experts] for e in range(num_experts)]
+    pair_row = torch.tensor([r for rows in by_expert for r in rows], dtype=torch.int64)
+    counts = torch.tensor([len(rows) for rows in by_expert], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    return pair_row, offsets
+
+
+def make_case(name: str, dtype: torch.dtype, gate_dtype: torch.dtype | None = None, seed: int = 0):
+    rows, hidden, ffn, experts, routing = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    if routing == "random2":
+        routing = [torch.randperm(experts, generator=gen)[:2].tolist() if r % 5 else [] for r in range(rows)]
+    pair_row, offsets = pairs_from_rows(routing, experts)
+    num_pairs = pair_row.numel()
+    h = torch.randn(num_pairs, ffn, generator=gen)
+    gate = torch.rand(num_pairs, generator=gen)
+    w = torch.randn(experts, hidden, ffn, generator=gen) / math.sqrt(ffn)
+    dev = torch.device(DEVICE)
+    return (h.to(dev, dtype), pair_row.to(dev), gate.to(dev, gate_dtype or dtype), offsets.to(dev),
+            w.to(dev, dtype), rows)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every torch.empty float tensor starts as NaN, so an element a kernel skips shows up."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-(2**30))
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def reference_grads(h, pair_row, gate, offsets, w, rows, grad_out):
+    h32, gate32, w32 = (t.detach().float().requires_grad_() for t in (h, gate, w))
+    y32 = grouped_down_reduce_ref(h32, pair_row, gate32, offsets, w32, rows)
+    if h32.numel() == 0:
+        return y32.detach(), torch.zeros_like(h32), torch.zeros_like(gate32), torch.zeros_like(w32)
+    return (y32.detach(), *torch.autograd.grad(y32, (h32, gate32, w32), grad_out.float()))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_grads_match_reference(case, dtype, poisoned_empty):
+    atol, rtol = DTYPES[dtype]
+    h, pair_row, gate, offsets, w, rows = make_case(case, dtype)
+    for leaf in (h, gate, w):
+        leaf.requires_grad_()
+    y = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)
+    assert y.dtype == dtype and y.shape == (rows, w.shape[1])
+    grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.device, dtype)
+    y_ref, dh_ref, dgate_ref, dw_ref = reference_grads(h, pair_row, gate, offsets, w, rows, grad_out)
+    torch.testing.assert_close(y.float(), y_ref, atol=atol, rtol=rtol)
+    grads = torch.autograd.grad(y, (h, gate, w), grad_out, allow_unused=True)
+    for got, want, leaf in zip(grads, (dh_ref, dgate_ref, dw_ref), (h, gate, w)):
+        got = torch.zeros_like(leaf) if got is None else got   # M = 0: autograd may skip the op
+        assert got.dtype == leaf.dtype
+        torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+
+
+def test_fp32_gates_with_fp16_activations(poisoned_empty):
+    h, pair_row, gate, offsets, w, rows = make_case("npow2", torch.float16, gate_dtype=torch.float32)
+    gate.requires_grad_()
+    y = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)
+    grad_out = torch.randn_like(y)
+    (dgate,) = torch.autograd.grad(y, (gate,), grad_out)
+    y_ref, _, dgate_ref, _ = reference_grads(h, pair_row, gate, offsets, w, rows, grad_out)
+    assert dgate.dtype == torch.float32
+    torch.testing.assert_close(y.float(), y_ref, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(dgate, dgate_ref, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("which", ["h", "gate", "w"])
+def test_gradient_of_one_input_only(which, poisoned_empty):
+    h, pair_row, gate, offsets, w, rows = make_case("basic", torch.float32)
+    leaf = {"h": h, "gate": gate, "w": w}[which]
+    leaf.requires_grad_()
+    y = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)
+    grad_out = torch.randn_like(y)
+    (grad,) = torch.autograd.grad(y, (leaf,), grad_out)
+    _, dh_ref, dgate_ref, dw_ref = reference_grads(h, pair_row, gate, offsets, w, rows, grad_out)
+    want = {"h": dh_ref, "gate": dgate_ref, "w": dw_ref}[which]
+    torch.testing.assert_close(grad, want, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_without_pairs_are_zero_and_result_is_deterministic(poisoned_empty):
+    h, pair_row, gate, offsets, w, rows = make_case("empty_experts", torch.float32)
+    first = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)
+    again = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)
+    assert torch.equal(first, again)
+    unrouted = torch.ones(rows, dtype=torch.bool, device=first.device)
+    unrouted[pair_row] = False
+    assert unrouted.any() and torch.all(first[unrouted] == 0)
+
+
+def test_bad_input_names_the_field():
+    h, pair_row, gate, offsets, w, rows = make_case("basic", torch.float32)
+    with pytest.raises(ValueError, match="pair_gate_M"):
+        grouped_down_reduce(h, pair_row, gate[:-1], offsets, w, rows)
+    with pytest.raises(ValueError, match="w_down_EDF"):
+        grouped_down_reduce(h, pair_row, gate, offsets, w.transpose(1, 2), rows)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        grouped_down_reduce(h, pair_row, gate, offsets[1:], w, rows)
+
+
+def test_opcheck_registrations():
+    h, pair_row, gate, offsets, w, rows = make_case("basic", torch.float32)
+    torch.library.opcheck(
+        torch.ops.occult.grouped_down_reduce.default,
+        (h.requires_grad_(), pair_row, gate.requires_grad_(), offsets, w.requires_grad_(), rows),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["npow2", "hot_expert", "all_experts"])
+def test_bf16_on_gpu(case):
+    h, pair_row, gate, offsets, w, rows = make_case(case, torch.bfloat16, gate_dtype=torch.float32)
+    _check_bf16(h, pair_row, gate, offsets, w, rows)
+
+
+@pytest.mark.gpu
+def test_bf16_on_gpu_autotuned_shape():
+    gen = torch.Generator().manual_seed(3)
+    rows, hidden, ffn, experts = 3500, 256, 192, 8  # M > AUTOTUNE_MIN_PAIRS
+    routing = [torch.randperm(experts, generator=gen)[:3].tolist() for _ in range(rows)]
+    routing[:1000] = [[5, 1]] * 1000
+    pair_row, offsets = pairs_from_rows(routing, experts)
+    num_pairs = pair_row.numel()
+    h = torch.randn(num_pairs, ffn, generator=gen).cuda().bfloat16()
+    gate = torch.rand(num_pairs, generator=gen).cuda()
+    w = (torch.randn(experts, hidden, ffn, generator=gen) / math.sqrt(ffn)).cuda().bfloat16()
+    _check_bf16(h, pair_row.cuda(), gate, offsets.cuda(), w, rows)
+
+
+def _check_bf16(h, pair_row, gate, offsets, w, rows):
+    for leaf in (h, gate, w):
+        leaf.requires_grad_()
+    y = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)
+    grad_out = torch.randn_like(y)
+    y_ref, *grads_ref = reference_grads(h, pair_row, gate, offsets, w, rows, grad_out)
+    grads = torch.autograd.grad(y, (h, gate, w), grad_out)
+    assert _rel_err(y, y_ref) <= 1e-2
+    for got, want in zip(grads, grads_ref):
+        assert _rel_err(got, want) <= 1e-2

@@ -1,0 +1,285 @@
+"""grouped_swiglu (Triton) against grouped_swiglu_ref: forward, dx and dW, over edge-case routings.
+
+On CPU the kernels run in the Triton interpreter (tests/conftest.py) in fp32 and fp16; bf16 and
+the autotuned GPU configs are checked by the `gpu` tests."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from occult.kernels import grouped_swiglu, grouped_swiglu_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# name -> (rows R, hidden D, ffn F, experts E, experts of each row); rows absent from the
+# lists get no pair. Non-powers of two, empty experts, one hot expert, M = 0, R = 1.
+CASES = {
+    "basic": (24, 32, 16, 4, "random2"),
+    "npow2": (20, 48, 40, 4, "random2"),
+    "empty_experts": (18, 32, 24, 4, [[0, 2], [2], [], [0], [2, 0], [2]] * 3),
+    "hot_expert": (40, 32, 16, 4, [[3]] * 40),
+    "no_pairs": (6, 32, 16, 3, [[]] * 6),
+    "one_row": (1, 48, 40, 4, [[3, 1, 0]]),
+    "all_experts": (9, 32, 16, 4, [[0, 1, 2, 3], [], [3, 2, 1, 0]] * 3),
+}
+DTYPES = {  # dtype -> (atol, rtol) against an fp32 reference
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-2, 1e-2),
+}
+
+
+def pairs_from_rows(row_experts: list[list[int]], num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pair_row_M, expert_offsets) with pairs sorted by expert (row order inside an expert)."""
+    by_expert = [[r for r, experts in enumerate(row_experts) if e in experts] for e in range(num_experts)]
+    pair_row = torch.tensor([r for rows in by_expert for r in rows], dtype=torch.int64)
+    counts = torch.tensor([len(rows) for rows in by_expert], dtype=torch.int64)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    return pair_row, offsets
+
+
+def make_case(name: str, dtype: torch.dtype, seed: int = 0):
+    rows, hidden, ffn, experts, routing = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    if routing == "random2":
+        routing = [torch.randperm(experts, generator=gen)[:2].tolist() if r % 5 else [] for r in range(rows)]
+    pair_row, offsets = pairs_from_rows(routing, experts)
+    x = torch.randn(rows, hidden, generator=gen)
+    w = torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)
+    dev = torch.device(DEVICE)
+    return x.to(dev, dtype), pair_row.to(dev), offsets.to(dev), w.to(dev, dtype)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every torch.empty float tensor starts as NaN, so an element a kernel skips shows up."""
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        out = real_empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-(2**30))
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def reference_grads(x, pair_row, offsets, w, grad_out):
+    x32 = x.detach().float().requires_grad_()
+    w32 = w.detach().float().requires_grad_()
+    h32 = grouped_swiglu_ref(x32, pair_row, offsets, w32)
+    if h32.numel() == 0:
+        return h32, torch.zeros_like(x32), torch.zeros_like(w32)
+    dx32, dw32 = torch.autograd.grad(h32, (x32, w32), grad_out.float())
+    return h32.detach(), dx32, dw32
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_grads_match_reference(case, dtype, poisoned_empty):
+    atol, rtol = DTYPES[dtype]
+    x, pair_row, offsets, w = make_case(case, dtype)
+    x.requires_grad_()
+    w.requires_grad_()
+    h = grouped_swiglu(x, pair_row, offsets, w)
+    assert h.dtype == dtype and h.shape == (pair_row.numel(), w.shape[1] // 2)
+    grad_out = torch.randn(h.shape, generator=torch.Generator().manual_seed(1)).to(h.device, dtype)
+    h_ref, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, grad_out)
+    torch.testing.assert_close(h.float(), h_ref, atol=atol, rtol=rtol)
+    dx, dw = torch.autograd.grad(h, (x, w), grad_out, allow_unused=True)
+    if h.numel() == 0:  # nothing flowed through the op: autograd may skip it altogether
+        dx = torch.zeros_like(x) if dx is None else dx
+        dw = torch.zeros_like(w) if dw is None else dw
+    assert dx.dtype == dtype and dw.dtype == dtype
+    torch.testing.assert_close(dx.float(), dx_ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(dw.float(), dw_ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("which", ["x", "w"])
+def test_gradient_of_one_input_only(which, poisoned_empty):
+    x, pair_row, offsets, w = make_case("npow2", torch.float32)
+    leaf = x if which == "x" else w
+    leaf.requires_grad_()
+    h = grouped_swiglu(x, pair_row, offsets, w)
+    grad_out = torch.randn_like(h)
+    (grad,) = torch.autograd.grad(h, (leaf,), grad_out)
+    _, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, grad_out)
+    torch.testing.assert_close(grad, dx_ref if which == "x" else dw_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_rows_without_pairs_get_zero_gradient():
+    x, pair_row, offsets, w = make_case("empty_experts", torch.float32)
+    x.requires_grad_()
+    h = grouped_swiglu(x, pair_row, offsets, w)
+    (dx,) = torch.autograd.grad(h, (x,), torch.ones_like(h))
+    unrouted = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    unrouted[pair_row] = False
+    assert unrouted.any() and torch.all(dx[unrouted] == 0)
+    assert torch.all(dx[~unrouted].abs().sum(dim=1) > 0)
+
+
+def test_no_grad_forward_matches():
+    x, pair_row, offsets, w = make_case("basic", torch.float32)
+    with torch.no_grad():
+        h = grouped_swiglu(x, pair_row, offsets, w)
+    torch.testing.assert_close(h, grouped_swiglu_ref(x, pair_row, offsets, w), atol=1e-4, rtol=1e-4)
+
+
+def test_bad_input_names_the_field():
+    x, pair_row, offsets, w = make_case("basic", torch.float32)
+    with pytest.raises(ValueError, match="expert_offsets"):
+        grouped_swiglu(x, pair_row, offsets[:-1], w)
+    with pytest.raises(ValueError, match="w_gate_up_E2FD"):
+        grouped_swiglu(x, pair_row, offsets, w.half())
+    with pytest.raises(ValueError, match="pair_row_M"):
+        grouped_swiglu(x, pair_row.float(), offsets, w)
+
+
+def test_opcheck_registrations():
+    x, pair_row, offsets, w = make_case("basic", torch.float32)
+    torch.library.opcheck(
+        torch.ops.occult.grouped_swiglu_fwd.default,
+        (x.requires_grad_(), pair_row, offsets, w.requires_grad_(), True),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["npow2", "hot_expert", "empty_experts"])
+def test_bf16_on_gpu(case):
+    x, pair_row, offsets, w = make_case(case, torch.bfloat16)
+    _check_bf16(x, pair_row, offsets, w)
+
+
+@pytest.mark.gpu
+def test_bf16_on_gpu_autotuned_shape():
+    gen = torch.Generator().manual_seed(3)
+    rows, hidden, ffn, experts = 3500, 256, 192, 8  # M > AUTOTUNE_MIN_PAIRS
+    routing = [torch.randperm(experts, generator=gen)[:3].tolist() for _ in range(rows)]
+    routing[:1000] = [[5, 1]] * 1000  # a skew: two hot experts
+    pair_row, offsets = pairs_from_rows(routing, experts)
+    x = torch.randn(rows, hidden, generator=gen).cuda().bfloat16()
+    w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).cuda().bfloat16()
+    _check_bf16(x, pair_row.cuda(), offsets.cuda(), w)
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def _check_bf16(x, pair_row, offsets, w):
+    x.requires_grad_()
+    w.requires_grad_()
+    h = grouped_swiglu(x, pair_row, offsets, w)
+    grad_out = torch.randn_like(h)
+    h_ref, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, grad_out)
+    dx, dw = torch.autograd.grad(h, (x, w), grad_out)
+    assert _rel_err(h, h_ref) <= 1e-2
+    assert _rel_err(dx, dx_ref) <= 1e-2
+    assert _rel_err(dw, dw_ref) <= 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# Every kernel and every autotuning candidate compiles for Hopper (sm_90), without a GPU.
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_every_kernel_config_compiles_for_sm90(tmp_path):
+    """Runs this file as a script without TRITON_INTERPRET: the ops are called on CPU tensors with
+    every kernel launch intercepted, and each intercepted launch (each autotuning candidate) is
+    compiled for sm_90 with the arguments' specialisation (16-byte alignment, unit strides)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "compiled" in result.stdout
+
+
+def _compile_every_launch_for_sm90() -> int:
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from occult.kernels import combine, grouped_down_reduce
+
+    modules = [importlib.import_module(f"occult.kernels.{name}")
+               for name in ("grouped_swiglu", "grouped_down_reduce", "combine")]
+    launches = []
+
+    class Recorder:
+        def __init__(self, launchable):
+            self.launchable = launchable
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.launchable, args, kwargs))
+
+    for module in modules:
+        for name, value in list(vars(module).items()):
+            launched = isinstance(value, triton.runtime.Autotuner) or (
+                isinstance(value, triton.runtime.JITFunction) and name.endswith("_kernel"))
+            if launched:   # only launch points: jit helpers called from kernels stay as they are
+                setattr(module, name, Recorder(value))
+
+    gen = torch.Generator().manual_seed(0)
+    for hidden, ffn, num_pairs in ((64, 32, 9000), (48, 40, 100)):   # autotuned / fixed-config paths
+        for dtype in (torch.bfloat16, torch.float32):
+            experts, rows = 4, num_pairs // 2
+            pair_row = torch.randint(0, rows, (num_pairs,), generator=gen)
+            offsets = torch.tensor([0, num_pairs // 3, num_pairs // 3, num_pairs - 7, num_pairs])
+            x = torch.randn(rows, hidden, dtype=dtype, requires_grad=True)
+            w1 = torch.randn(experts, 2 * ffn, hidden, dtype=dtype, requires_grad=True)
+            w2 = torch.randn(experts, hidden, ffn, dtype=dtype, requires_grad=True)
+            gate = torch.rand(num_pairs, requires_grad=True)
+            h = grouped_swiglu(x, pair_row, offsets, w1)
+            y = grouped_down_reduce(h, pair_row, gate, offsets, w2, rows)
+            brim = torch.randperm(2 * rows, generator=gen)[: rows].view(-1, 2)
+            out = combine(y, brim)
+            torch.autograd.grad(out, (x, w1, w2, gate), torch.randn_like(out))
+
+    type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                  torch.int64: "i64", torch.int32: "i32"}
+    target = GPUTarget("cuda", 90, 32)
+    done = set()
+    for launchable, args, kwargs in launches:
+        if isinstance(launchable, triton.runtime.Autotuner):
+            fn, configs = launchable.fn, launchable.configs
+            metas = [({**kwargs, **cfg.kwargs}, cfg.num_warps, cfg.num_stages) for cfg in configs]
+        else:
+            fn = launchable
+            meta = dict(kwargs)
+            metas = [(meta, meta.pop("num_warps", 4), meta.pop("num_stages", 3))]
+        for consts, num_warps, num_stages in metas:
+            signature, constants, attrs = {}, dict(consts), {}
+            for index, (name, value) in enumerate(zip(fn.arg_names, args)):
+                if isinstance(value, torch.Tensor):
+                    signature[name] = "*" + type_names[value.dtype]
+                    if value.data_ptr() % 16 == 0:
+                        attrs[(index,)] = [["tt.divisibility", 16]]
+                elif value == 1:
+                    constants[name] = 1
+                else:
+                    signature[name] = "i32" if abs(value) < 2**31 else "i64"
+                    if value % 16 == 0:
+                        attrs[(index,)] = [["tt.divisibility", 16]]
+            for name in constants:
+                signature[name] = "constexpr"
+            signature = {name: signature[name] for name in fn.arg_names}
+            key = (fn.__name__, repr(sorted(signature.items())), repr(sorted(constants.items())), repr(attrs),
+                   num_warps, num_stages)
+            if key in done:
+                continue
+            done.add(key)
+            triton.compile(ASTSource(fn, signature, constants, attrs), target=target,
+                           options={"num_warps": num_warps, "num_stages": num_stages})
+    return len(done)
+
+
+if __name__ == "__main__":
+    print(f"compiled {_compile_every_launch_for_sm90()} kernel variants for sm_90")
