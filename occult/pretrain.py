@@ -1,0 +1,335 @@
+"""Model stage (scratch): pre-train the tiny OLMoE and measure whether its routers learned structure.
+
+`pretrain(cfg, data_dir, out_dir, log_csv, structure_json)` trains on the train split, packed as
+one token stream (documents in seeded random order, each followed by EOS) cut into windows of
+`cfg.pretrain.seq_len`; batches draw windows without replacement, reshuffling each epoch. AdamW
+(betas 0.9/0.95, weight decay 0.1 on matrices), linear warm-up then cosine decay to 10% of the peak
+rate, gradient clipping at 1.0, the Switch-style load-balancing loss of transformers weighted by
+`cfg.pretrain.router_aux_loss`. Held-out perplexity is measured on up to `EVAL_TOKENS` held-out
+tokens five times during training and at the end.
+
+Outputs: the checkpoint and tokenizer in `out_dir` (written to a temporary sibling, then renamed),
+the per-step log CSV (step, train_loss = LM loss only, aux_loss, lr, heldout_ppl where measured,
+elapsed_s; provenance in `<csv>.meta.json`) and `structure_json`.
+
+Structure measure (per MoE layer, on the held-out routing of the final model). Take a random
+token and two distinct experts (X, Y) of its top-k in random order; `pair_mi_bits` is the mutual
+information I(X; Y). Even routing with no structure has I > 0 (X != Y and loads are unequal),
+so the same statistic is computed for a *null routing*: the same number of tokens, each choosing k
+distinct experts independently of every other layer and token, by Gumbel-top-k sampling with
+weights equal to the observed loads (loads are matched up to sampling noise). `excess_pair_mi_bits`
+= observed - null; clearly positive means tokens select experts in correlated groups, which is
+what Occult's placement exploits. Also reported: E[C_T] (distinct devices per token) for the best
+of `PLACEMENT_TRIALS` random balanced placements on `cfg.finetune.devices` devices, observed vs
+null, and the held-out perplexity against the unigram baseline (the held-out cross-entropy of
+add-one-smoothed train-split token frequencies).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from occult.config import Config, PretrainConfig
+from occult.models import build_tiny_olmoe, count_parameters
+from occult.profiling import (
+    TokenWindows,
+    coactivation_counts,
+    corpus_windows,
+    read_corpus,
+    route_windows,
+    shuffled,
+    tokenize_documents,
+)
+from occult.provenance import atomic_path, provenance, seed_everything, write_csv, write_json
+
+EVAL_TOKENS = 16_384
+EVAL_POINTS = 5
+FINAL_LR_FRACTION = 0.1
+CLIP_NORM = 1.0
+WEIGHT_DECAY = 0.1
+PLACEMENT_TRIALS = 64
+
+
+def load_tokenizer(tokenizer_dir: Path):
+    from transformers import AutoTokenizer
+
+    if not (tokenizer_dir / "tokenizer.json").is_file() and not (tokenizer_dir / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"tokenizer directory {tokenizer_dir} has no tokenizer.json")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {tokenizer_dir}: no eos_token")
+    return tokenizer
+
+
+def lr_at(step: int, train_cfg: PretrainConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine from `lr` down to FINAL_LR_FRACTION * lr."""
+    if step < train_cfg.warmup_steps:
+        return train_cfg.lr * (step + 1) / train_cfg.warmup_steps
+    span = max(1, train_cfg.steps - train_cfg.warmup_steps)
+    progress = min(1.0, (step - train_cfg.warmup_steps) / span)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return train_cfg.lr * (FINAL_LR_FRACTION + (1.0 - FINAL_LR_FRACTION) * cosine)
+
+
+def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": WEIGHT_DECAY}, {"params": vectors, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+class WindowSampler:
+    """Batches of non-overlapping windows of a token stream, reshuffled every epoch (seeded)."""
+
+    def __init__(self, ids_N: np.ndarray, seq_len: int, batch_size: int, seed: int):
+        rows = len(ids_N) // seq_len
+        if rows < 1:
+            raise ValueError(f"train split has {len(ids_N)} tokens, fewer than one window of {seq_len}")
+        self.windows_RS = torch.from_numpy(ids_N[: rows * seq_len].astype(np.int64)).view(rows, seq_len)
+        self.batch_size = batch_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+        self.epochs = 0
+
+    def next_batch(self) -> Tensor:
+        picks = []
+        while len(picks) < self.batch_size:
+            if not self.order:
+                self.order = torch.randperm(len(self.windows_RS), generator=self.generator).tolist()
+                self.epochs += 1
+            picks.append(self.order.pop())
+        return self.windows_RS[picks]
+
+
+@torch.no_grad()
+def heldout_nll(model: nn.Module, windows: TokenWindows, batch_rows: int = 16) -> tuple[float, int]:
+    """(summed next-token NLL, predicted tokens) over real (unpadded) positions of `windows`."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(windows.input_ids_BS), batch_rows):
+        ids_BS = windows.input_ids_BS[start:start + batch_rows]
+        mask_BS = windows.attention_mask_BS[start:start + batch_rows]
+        logits_BSV = model(input_ids=ids_BS, attention_mask=mask_BS, use_cache=False).logits
+        valid = (mask_BS[:, 1:] * mask_BS[:, :-1]).bool()
+        nll = F.cross_entropy(logits_BSV[:, :-1][valid].float(), ids_BS[:, 1:][valid], reduction="sum")
+        total += float(nll)
+        count += int(valid.sum())
+    model.train(was_training)
+    return total, count
+
+
+def unigram_ppl(train_ids_N: np.ndarray, windows: TokenWindows, vocab_size: int) -> float:
+    """Perplexity on the held-out targets of add-one-smoothed unigram frequencies of the train split."""
+    counts = np.bincount(train_ids_N, minlength=vocab_size).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    mask = windows.attention_mask_BS.numpy()
+    valid = (mask[:, 1:] * mask[:, :-1]).astype(bool)
+    targets = windows.input_ids_BS.numpy()[:, 1:][valid]
+    return float(np.exp(-log_p[targets].mean()))
+
+
+# --------------------------------------------------------------------------- structure measure
+
+
+def pair_mutual_information(coactivation_EE: np.ndarray) -> float:
+    """I(X; Y) in bits for (X, Y) a random ordered pair of distinct experts of a random token."""
+    pairs = coactivation_EE.astype(np.float64).copy()
+    np.fill_diagonal(pairs, 0.0)
+    if pairs.sum() == 0:
+        return 0.0
+    joint = pairs / pairs.sum()
+    marginal = joint.sum(axis=1)
+    independent = marginal[:, None] * marginal[None, :]
+    nz = joint > 0
+    return float((joint[nz] * np.log2(joint[nz] / independent[nz])).sum())
+
+
+def null_routing(load_E: np.ndarray, tokens: int, top_k: int, rng: np.random.Generator) -> np.ndarray:
+    """[tokens, k] ids: k distinct experts per token, Gumbel-top-k with weights = observed loads."""
+    log_w = np.log(np.maximum(load_E.astype(np.float64), 0.5))
+    scores = log_w[None, :] + rng.gumbel(size=(tokens, len(load_E)))
+    return np.argsort(-scores, axis=1)[:, :top_k]
+
+
+def best_random_placement_ct(ids_NK: np.ndarray, num_experts: int, devices: int, rng: np.random.Generator) -> float:
+    """min over random balanced placements of E[C_T] (mean distinct devices per token)."""
+    best = float("inf")
+    for _ in range(PLACEMENT_TRIALS):
+        device_of = np.empty(num_experts, dtype=np.int64)
+        device_of[rng.permutation(num_experts)] = np.arange(num_experts) // (num_experts // devices)
+        on_device = np.zeros((len(ids_NK), devices), dtype=bool)
+        np.put_along_axis(on_device, device_of[ids_NK], True, axis=1)
+        best = min(best, float(on_device.sum(axis=1).mean()))
+    return best
+
+
+@dataclass(frozen=True)
+class LayerStructure:
+    layer: int
+    pair_mi_bits: float
+    null_pair_mi_bits: float
+    excess_pair_mi_bits: float
+    load_cv: float
+    ct_best_random_placement: float
+    null_ct_best_random_placement: float
+
+
+def routing_structure(ids_LNK: np.ndarray, layers: list[int], num_experts: int, devices: int,
+                      seed: int) -> list[LayerStructure]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for layer, ids_NK in zip(layers, ids_LNK.astype(np.int64)):
+        tokens, top_k = ids_NK.shape
+        coact = coactivation_counts(torch.from_numpy(ids_NK), num_experts)
+        load = np.diag(coact)
+        null_ids = null_routing(load, tokens, top_k, rng)
+        null_coact = coactivation_counts(torch.from_numpy(null_ids), num_experts)
+        mi, null_mi = pair_mutual_information(coact), pair_mutual_information(null_coact)
+        out.append(LayerStructure(
+            layer=int(layer),
+            pair_mi_bits=mi,
+            null_pair_mi_bits=null_mi,
+            excess_pair_mi_bits=mi - null_mi,
+            load_cv=float(load.std() / max(load.mean(), 1e-12)),
+            ct_best_random_placement=best_random_placement_ct(ids_NK, num_experts, devices, rng),
+            null_ct_best_random_placement=best_random_placement_ct(null_ids, num_experts, devices, rng),
+        ))
+    return out
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train_cfg: PretrainConfig,
+          eval_every: int) -> list[dict[str, Any]]:
+    """The training loop; returns one log row per step."""
+    optimizer = make_optimizer(model, train_cfg.lr)
+    use_aux = train_cfg.router_aux_loss > 0
+    rows: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    model.train()
+    bar = tqdm(range(train_cfg.steps), desc="pretrain", unit="step")
+    for step in bar:
+        lr = lr_at(step, train_cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        ids_BS = sampler.next_batch()
+        out = model(input_ids=ids_BS, labels=ids_BS, output_router_logits=use_aux, use_cache=False)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        aux = float(out.aux_loss.detach()) if use_aux else 0.0
+        row = {"step": step + 1, "train_loss": float(out.loss.detach()) - train_cfg.router_aux_loss * aux,
+               "aux_loss": aux, "lr": lr, "heldout_ppl": float("nan")}
+        if (step + 1) % eval_every == 0 or step + 1 == train_cfg.steps:
+            nll, count = heldout_nll(model, heldout)
+            row["heldout_ppl"] = math.exp(nll / count)
+            bar.set_postfix(loss=f"{row['train_loss']:.3f}", ppl=f"{row['heldout_ppl']:.1f}")
+        row["elapsed_s"] = time.perf_counter() - start
+        rows.append(row)
+    bar.close()
+    model.eval()
+    return rows
+
+
+def save_model_dir(model: nn.Module, tokenizer, out_dir: Path, meta: dict[str, Any]) -> None:
+    """save_pretrained into a temporary sibling directory, then rename it onto `out_dir`."""
+    with atomic_path(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_json(tmp / "occult_pretrain.json", meta)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+
+
+def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structure_json: Path) -> None:
+    """Pre-train the tiny OLMoE of `cfg.model` on `data_dir` (see the module docstring)."""
+    if cfg.model.source != "scratch":
+        raise ValueError(f"model.source: pretrain needs 'scratch', got {cfg.model.source!r}")
+    train_cfg = cfg.pretrain
+    if train_cfg.seq_len > cfg.model.max_seq_len:
+        raise ValueError(f"pretrain.seq_len: {train_cfg.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}")
+    data_dir, out_dir = Path(data_dir), Path(out_dir)
+    seed_everything(cfg.seed)
+    wall_start = time.perf_counter()
+    tokenizer = load_tokenizer(data_dir / "tokenizer")
+    corpus = data_dir / "corpus"
+    train_ids_N, _, _ = tokenize_documents(shuffled(read_corpus(corpus / "train.jsonl"), cfg.seed), tokenizer)
+    heldout = corpus_windows(corpus / "heldout.jsonl", tokenizer, EVAL_TOKENS, train_cfg.seq_len, cfg.seed)
+    sampler = WindowSampler(train_ids_N, train_cfg.seq_len, train_cfg.batch_size, cfg.seed)
+    eos = tokenizer.eos_token_id
+    model = build_tiny_olmoe(
+        cfg.model, len(tokenizer),
+        # pad == eos would freeze the shared <|endoftext|> embedding (nn.Embedding padding_idx);
+        # padding is masked anyway, so the model config then carries no pad id.
+        pad_token_id=None if tokenizer.pad_token_id in (eos, tokenizer.bos_token_id) else tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
+        eos_token_id=eos,
+        seed=cfg.seed,
+        router_aux_loss=train_cfg.router_aux_loss,
+    )
+    prep_s = time.perf_counter() - wall_start
+    rows = train(model, sampler, heldout, train_cfg, eval_every=max(1, train_cfg.steps // EVAL_POINTS))
+
+    nll, count = heldout_nll(model, heldout)
+    final_ppl = math.exp(nll / count)
+    baseline_ppl = unigram_ppl(train_ids_N, heldout, len(tokenizer))
+    routed = route_windows(model, heldout, logit_stats=False, desc="structure")
+    layers = routing_structure(routed.ids_LNK, routed.layers.tolist(), routed.num_experts,
+                               cfg.finetune.devices, cfg.seed)
+    meta = provenance(cfg.hash(), cfg.seed, stage="pretrain")
+    train_summary = {
+        "steps": train_cfg.steps,
+        "tokens_seen": train_cfg.steps * train_cfg.batch_size * train_cfg.seq_len,
+        "train_tokens": int(len(train_ids_N)),
+        "epochs_started": sampler.epochs,
+        "final_train_loss": rows[-1]["train_loss"] if rows else None,
+        "prepare_s": prep_s,
+        "train_s": rows[-1]["elapsed_s"] if rows else 0.0,
+        "parameters": count_parameters(model),
+    }
+    save_model_dir(model, tokenizer, out_dir, {**meta, "train": train_summary})
+    columns = ["step", "train_loss", "aux_loss", "lr", "heldout_ppl", "elapsed_s"]
+    write_csv(log_csv, pd.DataFrame(rows, columns=columns), meta=meta)
+
+    per_layer = [vars(s) for s in layers]
+    mean_keys = [k for k in per_layer[0] if k != "layer"]
+    write_json(structure_json, {
+        "provenance": meta,
+        "definition": {
+            "pair_mi_bits": "I(X;Y) of two distinct experts X, Y drawn from one token's top-k (held-out text)",
+            "null_pair_mi_bits": "the same for a null routing: k distinct experts per token by Gumbel-top-k "
+                                 "with weights = observed loads, independent across tokens",
+            "excess_pair_mi_bits": "pair_mi_bits - null_pair_mi_bits (> 0: routers learned co-activation structure)",
+            "load_cv": "coefficient of variation of expert loads",
+            "ct_best_random_placement": f"E[C_T] on {cfg.finetune.devices} devices, best of {PLACEMENT_TRIALS} "
+                                        "random balanced placements (observed routing)",
+            "null_ct_best_random_placement": "the same for the null routing",
+            "unigram_ppl": "held-out perplexity of add-one-smoothed train-split unigram frequencies",
+            "unigram_entropy_bits": "log2(unigram_ppl): held-out cross-entropy of that unigram model",
+        },
+        "heldout_tokens": heldout.tokens,
+        "heldout_ppl": final_ppl,
+        "unigram_ppl": baseline_ppl,
+        "ppl_ratio_to_unigram": final_ppl / baseline_ppl,
+        "heldout_bits_per_token": math.log2(final_ppl),
+        "unigram_entropy_bits": math.log2(baseline_ppl),
+        "devices": cfg.finetune.devices,
+        "layers": per_layer,
+        "mean": {k: float(np.mean([row[k] for row in per_layer])) for k in mean_keys},
+        "train": train_summary,
+    })
