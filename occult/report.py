@@ -24,7 +24,21 @@ from occult.config import Config  # noqa: E402
 from occult.provenance import atomic_path, provenance, write_csv  # noqa: E402
 
 log = logging.getLogger(__name__)
-ABLATION_ORDER = ["trivial", "placed", "prune2", "prune1"]
+ABLATION_ORDER = ["trivial", "placed-greedy", "placed-swap", "prune2", "prune1"]
+
+
+def bench_by_case(bench: pd.DataFrame) -> pd.DataFrame:
+    """Mean over layers per (case, mode, tokens): E[C_T], bytes sent (dispatch + return), times.
+
+    `placed` rows are split by their placement method (`placed-greedy`, `placed-swap`).
+    """
+    b = bench.copy()
+    b["case"] = np.where(b["case"] == "placed", "placed-" + b["placement"].astype(str), b["case"])
+    b["expected_ct"] = b["mean_devices_per_token"]
+    b["bytes_sent_per_rank"] = b["bytes_dispatch_remote_per_rank"] + b["bytes_combine_remote_per_rank"]
+    b["fwdbwd_ms"] = b["fwd_bwd_ms"]
+    cols = ["expected_ct", "bytes_sent_per_rank", "fwd_ms", "fwdbwd_ms"]
+    return b.groupby(["case", "mode", "tokens_per_rank"], as_index=False)[cols].mean()
 
 
 def _savefig(fig, path: Path) -> None:
@@ -178,7 +192,7 @@ def make_report(cfg: Config, results_dir: Path, figures_dir: Path, profile_npz: 
     write_csv(results_dir / "tables" / "placement_summary.csv", summary, meta)
     plot_placement(summary, figures_dir / "expected_ct_vs_devices.png")
 
-    bench = pd.read_csv(results_dir / "bench" / "ep_cpu.csv")
+    bench = bench_by_case(pd.read_csv(results_dir / "bench" / "ep_cpu.csv"))
     ablation = ct_ablation(bench)
     fits = plot_latency_vs_ct(bench, figures_dir / "latency_vs_ct.png")
     write_csv(results_dir / "tables" / "ct_ablation.csv", ablation, {**meta, "linear_fits": fits})

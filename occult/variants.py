@@ -38,12 +38,11 @@ def routing_for_variant(cfg: Config, variant: Variant | str, placements_dir: Pat
                                       gate=gate, norm_topk_prob=norm_topk_prob, num_devices=devices)
         return route
 
-    from occult.profiling import expert_similarity, load_profile
+    from occult.profiling import load_profile
 
     prof = load_profile(profile_dir / "profile.npz")
-    sim_LEE = expert_similarity(prof["logit_gram"], prof["logit_sum"], prof["tokens"])
-    similarity = {int(layer): torch.as_tensor(sim_LEE[i], dtype=torch.float32)
-                  for i, layer in enumerate(prof["layers"])}
+    similarity = {int(layer): torch.as_tensor(sim_EE, dtype=torch.float32)
+                  for layer, sim_EE in zip(prof.layers, prof.similarity())}
 
     def route_sim(layer: int, logits_TE: torch.Tensor):
         return prune_similarity(logits_TE, k, placement[layer].to(logits_TE.device), v.max_devices,
