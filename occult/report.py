@@ -105,7 +105,7 @@ def plot_ablation(ablation: pd.DataFrame, path: Path) -> None:
     x = np.arange(len(ablation))
     ax1.bar(x, ablation["expected_ct"], color="#4c72b0", width=0.55, label="E[C_T]")
     ax1.set_ylabel("E[C_T] (devices per token)")
-    ax1.set_xticks(x, [s.replace(", ", "\n") for s in ablation["step"]], fontsize=8)
+    ax1.set_xticks(x, [s.replace(", ", "\n") for s in ablation["step"]], fontsize=7, rotation=25, ha="right")
     ax2 = ax1.twinx()
     ax2.plot(x, ablation["fwd_ms"], "o-", color="#dd8452", label="forward latency")
     ax2.set_ylabel("EP layer forward (ms)")

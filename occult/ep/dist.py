@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 POLL_S = 0.1
+FAILURE_GRACE_S = 2.0
 KILL_GRACE_S = 2.0
 
 
@@ -68,6 +69,30 @@ def _rank_main(
         results.close()
         results.join_thread()
         os._exit(1)
+
+
+def _failure_message(rank: int, payload: str, results, world_size: int) -> str:
+    """All errors reported within a short grace period, root causes first.
+
+    When one rank raises, its peers soon fail too with transport errors ("Connection reset by
+    peer"); whichever reaches the parent first, the message leads with the original error.
+    """
+    errors = {rank: payload}
+    grace = time.monotonic() + FAILURE_GRACE_S
+    while time.monotonic() < grace and len(errors) < world_size:
+        try:
+            other, status, text = results.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        if status == "error":
+            errors[other] = text
+
+    def is_consequence(text: str) -> bool:
+        return any(marker in text for marker in ("gloo/transport", "Connection reset", "Connection closed"))
+
+    order = sorted(errors, key=lambda r: (is_consequence(errors[r]), r))
+    parts = [f"rank {r} of {world_size} failed:\n{errors[r]}" for r in order]
+    return "\n".join(parts)
 
 
 def _stop(processes: list) -> None:
@@ -139,7 +164,7 @@ def run_ranks(
                         )
                     continue
             if status == "error":
-                raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
+                raise RankFailure(_failure_message(rank, payload, results, world_size))
             values[rank] = pickle.loads(payload)
         for proc in processes:
             proc.join(KILL_GRACE_S)
