@@ -170,12 +170,12 @@ def _check_brim(z_SD: torch.Tensor, brim0_TJ: torch.Tensor) -> None:
         raise ValueError(f"combine: brim0_TJ is on {brim0_TJ.device}, z_SD on {z_SD.device}")
 
 
-def combine_forward(z_SD: torch.Tensor, brim0_TJ: torch.Tensor) -> torch.Tensor:
-    """out [T, D] (z's dtype) = fp32 sum over j of z[brim0[t, j]] for brim0[t, j] ≥ 0."""
+def combine_forward(z_SD: torch.Tensor, brim0_TJ: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """out [T, D] (`out_dtype`, default z's) = fp32 sum over j of z[brim0[t, j]] for brim0[t, j] ≥ 0."""
     _check_brim(z_SD, brim0_TJ)
     num_tokens, num_slots = brim0_TJ.shape
     hidden = z_SD.shape[1]
-    out_TD = torch.empty(num_tokens, hidden, dtype=z_SD.dtype, device=z_SD.device)
+    out_TD = torch.empty(num_tokens, hidden, dtype=out_dtype or z_SD.dtype, device=z_SD.device)
     if num_tokens == 0 or hidden == 0:
         return out_TD
     if z_SD.shape[0] == 0 or num_slots == 0:
@@ -208,6 +208,29 @@ def combine_backward(dout_TD: torch.Tensor, brim0_TJ: torch.Tensor, num_rows: in
     else:
         _combine_bwd_tuned[_gather_grid(num_tokens, hidden)](*args)
     return dz_SD
+
+
+def gather_sum_rows(src_MD: torch.Tensor, row_pairs_RK: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """out [R, D] (out_dtype) = fp32 sum of src[row_pairs[r, j]] over j with row_pairs[r, j] ≥ 0.
+
+    The pair → row reduction when each row's pairs are listed in an [R, K] table (the packed-row
+    dispatch gives it for free): one gather pass, no sort, summation order fixed by the table
+    (deterministic). Same kernel as `combine`.
+    """
+    return combine_forward(src_MD, row_pairs_RK, out_dtype)
+
+
+def check_row_table(op: str, row_pairs_RK: torch.Tensor, num_rows: int, device: torch.device) -> None:
+    """A row → pairs table must be int [num_rows, K] on `device`; raises ValueError naming it."""
+    if row_pairs_RK.dim() != 2 or row_pairs_RK.shape[0] != num_rows or row_pairs_RK.dtype not in (
+        torch.int32, torch.int64
+    ):
+        raise ValueError(
+            f"{op}: row_pairs_RK must be an int [R={num_rows}, K] tensor, got "
+            f"{tuple(row_pairs_RK.shape)} {row_pairs_RK.dtype}"
+        )
+    if row_pairs_RK.device != device:
+        raise ValueError(f"{op}: row_pairs_RK is on {row_pairs_RK.device}, expected {device}")
 
 
 def row_csr(pair_row_M: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:

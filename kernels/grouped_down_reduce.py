@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import row_csr, segment_sum_rows
+from .combine import check_row_table, gather_sum_rows, row_csr, segment_sum_rows
 from .grouped_swiglu import (
     GROUP_M,
     SINGLE_ACC_CONFIGS,
@@ -57,9 +57,10 @@ from .grouped_swiglu import (
 
 @triton.jit
 def _down_fwd_kernel(
-    h_ptr, gate_ptr, offsets_ptr, w_ptr, yp_ptr,
+    h_ptr, gate_ptr, offsets_ptr, w_ptr, yp_ptr, row_ptr,
     M, D, F, num_experts,
     stride_hm, stride_hf, stride_gm, stride_we, stride_wd, stride_wf, stride_ym, stride_yd,
+    SCATTER_ROWS: tl.constexpr,
     PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -86,7 +87,11 @@ def _down_fwd_kernel(
         b_ptrs += BLOCK_K * stride_wf
     gate = tl.load(gate_ptr + offs_m64 * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
     acc = acc * gate[:, None]
-    tl.store(yp_ptr + offs_m64[:, None] * stride_ym + offs_n[None, :] * stride_yd, acc,
+    if SCATTER_ROWS:   # one pair per row: write the row itself, in the output dtype
+        out_m = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    else:              # the pair's own fp32 row, reduced afterwards
+        out_m = offs_m64
+    tl.store(yp_ptr + out_m[:, None] * stride_ym + offs_n[None, :] * stride_yd, acc.to(yp_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -211,28 +216,41 @@ def grouped_down_reduce_forward(
     expert_offsets: torch.Tensor,
     w_down_EDF: torch.Tensor,
     num_rows: int,
+    row_pairs_RK: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y [num_rows, D] in h's dtype (see the module docstring)."""
+    """y [num_rows, D] in h's dtype (see the module docstring). `row_pairs_RK`, if given, lists
+    each row's pairs (positions in expert order, −1 = none) and replaces the sort by row."""
     _check_down(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF)
+    if row_pairs_RK is not None:
+        check_row_table("grouped_down_reduce", row_pairs_RK, num_rows, h_MF.device)
     pair_row_M = pair_row_M.contiguous()
     expert_offsets = expert_offsets.contiguous()
     num_experts, hidden, ffn = w_down_EDF.shape
     num_pairs = h_MF.shape[0]
     if num_pairs == 0 or hidden == 0 or num_rows == 0:
         return torch.zeros(num_rows, hidden, dtype=h_MF.dtype, device=h_MF.device)
-    yp_MD = torch.empty(num_pairs, hidden, dtype=torch.float32, device=h_MF.device)
+    # One pair per row (per_expert mode): the GEMM writes the rows directly, no fp32 buffer.
+    scatter_rows = row_pairs_RK is not None and row_pairs_RK.shape[1] == 1 and num_pairs == num_rows
+    if scatter_rows:
+        yp_MD = torch.empty(num_rows, hidden, dtype=h_MF.dtype, device=h_MF.device)
+    else:
+        yp_MD = torch.empty(num_pairs, hidden, dtype=torch.float32, device=h_MF.device)
     args = (
-        h_MF, pair_gate_M, expert_offsets, w_down_EDF, yp_MD,
+        h_MF, pair_gate_M, expert_offsets, w_down_EDF, yp_MD, pair_row_M,
         num_pairs, hidden, ffn, num_experts,
         *h_MF.stride(), *pair_gate_M.stride(), *w_down_EDF.stride(), *yp_MD.stride(),
     )
-    consts = dict(PRECISION=dot_precision(h_MF.dtype), GROUP_SIZE=GROUP_M,
+    consts = dict(SCATTER_ROWS=scatter_rows, PRECISION=dot_precision(h_MF.dtype), GROUP_SIZE=GROUP_M,
                   EXPERTS_P2=triton.next_power_of_2(num_experts))
 
     def grid(meta):
         return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
     launch_gemm(_down_fwd_tuned, _down_fwd_kernel, grid, args, consts, h_MF.dtype, num_pairs)
+    if scatter_rows:
+        return yp_MD
+    if row_pairs_RK is not None:
+        return gather_sum_rows(yp_MD, row_pairs_RK, h_MF.dtype)
     order_M, row_ptr = row_csr(pair_row_M, num_rows)
     return segment_sum_rows(yp_MD, order_M, row_ptr, h_MF.dtype)
 
@@ -310,13 +328,14 @@ def grouped_down_reduce_backward(
 @torch.library.custom_op("occult::grouped_down_reduce", mutates_args=())
 def _grouped_down_reduce_op(
     h_MF: torch.Tensor, pair_row_M: torch.Tensor, pair_gate_M: torch.Tensor, expert_offsets: torch.Tensor,
-    w_down_EDF: torch.Tensor, num_rows: int,
+    w_down_EDF: torch.Tensor, num_rows: int, row_pairs_RK: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return grouped_down_reduce_forward(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows)
+    return grouped_down_reduce_forward(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows,
+                                       row_pairs_RK)
 
 
 @_grouped_down_reduce_op.register_fake
-def _(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows):
+def _(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows, row_pairs_RK=None):
     return h_MF.new_empty(num_rows, w_down_EDF.shape[1])
 
 
@@ -338,7 +357,7 @@ def _(dy_RD, h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, need_dh_
 
 
 def _down_setup_context(ctx, inputs, output) -> None:
-    h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, _ = inputs
+    h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF = inputs[:5]
     ctx.save_for_backward(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF)
 
 
@@ -346,12 +365,12 @@ def _down_grad(ctx, dy_RD):
     h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF = ctx.saved_tensors
     need_dh, need_dgate, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[4]
     if not (need_dh or need_dgate or need_dw):
-        return None, None, None, None, None, None
+        return None, None, None, None, None, None, None
     dh_MF, dgate_M, dw_EDF = _grouped_down_reduce_backward_op(
         dy_RD, h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, need_dh or need_dgate, need_dw
     )
     return ((dh_MF if need_dh else None), None, (dgate_M if need_dgate else None), None,
-            (dw_EDF if need_dw else None), None)
+            (dw_EDF if need_dw else None), None, None)
 
 
 _grouped_down_reduce_op.register_autograd(_down_grad, setup_context=_down_setup_context)
@@ -364,7 +383,10 @@ def grouped_down_reduce(
     expert_offsets: torch.Tensor,
     w_down_EDF: torch.Tensor,
     num_rows: int,
+    row_pairs_RK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [R, D] = Σ_{m : row[m] = r} gate[m] · h[m] Wd[e]^T, fp32 accumulation (differentiable in h,
-    gate and Wd)."""
-    return _grouped_down_reduce_op(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows)
+    gate and Wd). Optional `row_pairs_RK` [R, K]: each row's pair positions (−1 = none), e.g. from
+    `occult.ep.plan.build_pairs_from_slots`; it must agree with `pair_row_M` (not checked)."""
+    return _grouped_down_reduce_op(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows,
+                                   row_pairs_RK)

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import interpreting, row_csr, segment_sum_rows
+from .combine import check_row_table, gather_sum_rows, interpreting, row_csr, segment_sum_rows
 
 
 def _configs(*shapes: tuple[int, int, int, int, int]) -> tuple[triton.Config, ...]:
@@ -229,10 +229,10 @@ def _swiglu_grad_preact(dh, g, u):
 
 @triton.jit
 def _swiglu_bwd_dx_kernel(
-    dh_ptr, pre_ptr, offsets_ptr, w_ptr, dxp_ptr,
+    dh_ptr, pre_ptr, offsets_ptr, w_ptr, dxp_ptr, row_ptr,
     M, D, F, num_experts,
     stride_dm, stride_df, stride_pm, stride_pf, stride_we, stride_wf, stride_wd, stride_xm, stride_xd,
-    PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
+    SCATTER_ROWS: tl.constexpr, PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
@@ -269,7 +269,11 @@ def _swiglu_bwd_dx_kernel(
         u_ptrs += BLOCK_K * stride_pf
         bg_ptrs += BLOCK_K * stride_wf
         bu_ptrs += BLOCK_K * stride_wf
-    tl.store(dxp_ptr + offs_m64[:, None] * stride_xm + offs_n[None, :] * stride_xd, acc,
+    if SCATTER_ROWS:   # one pair per row: write dx of the row itself, in its dtype
+        out_m = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    else:
+        out_m = offs_m64
+    tl.store(dxp_ptr + out_m[:, None] * stride_xm + offs_n[None, :] * stride_xd, acc.to(dxp_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -390,9 +394,13 @@ def grouped_swiglu_backward(
     preact_M2F: torch.Tensor,
     need_dx: bool,
     need_dw: bool,
+    row_pairs_RK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx_RD, dW_E2FD); a gradient that is not needed comes back as an empty [0] tensor."""
+    """(dx_RD, dW_E2FD); a gradient that is not needed comes back as an empty [0] tensor.
+    `row_pairs_RK` [R, K], if given, lists each row's pairs and replaces the sort by row."""
     _check_swiglu(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD)
+    if row_pairs_RK is not None:
+        check_row_table("grouped_swiglu", row_pairs_RK, x_RD.shape[0], x_RD.device)
     pair_row_M = pair_row_M.contiguous()
     expert_offsets = expert_offsets.contiguous()
     num_experts, two_f, hidden = w_gate_up_E2FD.shape
@@ -411,20 +419,31 @@ def grouped_swiglu_backward(
         if num_pairs == 0 or ffn == 0 or hidden == 0:
             dx_RD = torch.zeros_like(x_RD, memory_format=torch.contiguous_format)
         else:
-            dxp_MD = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x_RD.device)
+            num_rows = x_RD.shape[0]
+            scatter_rows = row_pairs_RK is not None and row_pairs_RK.shape[1] == 1 and num_pairs == num_rows
+            if scatter_rows:    # one pair per row: the GEMM writes dx directly
+                dxp_MD = torch.empty(num_rows, hidden, dtype=x_RD.dtype, device=x_RD.device)
+            else:
+                dxp_MD = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x_RD.device)
             args = (
-                dh_MF, preact_M2F, expert_offsets, w_gate_up_E2FD, dxp_MD,
+                dh_MF, preact_M2F, expert_offsets, w_gate_up_E2FD, dxp_MD, pair_row_M,
                 num_pairs, hidden, ffn, num_experts,
                 *dh_MF.stride(), *preact_M2F.stride(), *w_gate_up_E2FD.stride(), *dxp_MD.stride(),
             )
-            consts = dict(PRECISION=precision, GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
+            consts = dict(SCATTER_ROWS=scatter_rows, PRECISION=precision, GROUP_SIZE=GROUP_M,
+                          EXPERTS_P2=triton.next_power_of_2(num_experts))
 
             def grid_dx(meta):
                 return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
             launch_gemm(_swiglu_bwd_dx_tuned, _swiglu_bwd_dx_kernel, grid_dx, args, consts, x_RD.dtype, num_pairs)
-            order_M, row_ptr = row_csr(pair_row_M, x_RD.shape[0])
-            dx_RD = segment_sum_rows(dxp_MD, order_M, row_ptr, x_RD.dtype)
+            if scatter_rows:
+                dx_RD = dxp_MD
+            elif row_pairs_RK is not None:
+                dx_RD = gather_sum_rows(dxp_MD, row_pairs_RK, x_RD.dtype)
+            else:
+                order_M, row_ptr = row_csr(pair_row_M, num_rows)
+                dx_RD = segment_sum_rows(dxp_MD, order_M, row_ptr, x_RD.dtype)
     if need_dw:
         if num_pairs == 0 or ffn == 0 or hidden == 0:
             dw_E2FD = torch.zeros_like(w_gate_up_E2FD, memory_format=torch.contiguous_format)
@@ -452,13 +471,13 @@ def grouped_swiglu_backward(
 @torch.library.custom_op("occult::grouped_swiglu_fwd", mutates_args=())
 def _grouped_swiglu_op(
     x_RD: torch.Tensor, pair_row_M: torch.Tensor, expert_offsets: torch.Tensor, w_gate_up_E2FD: torch.Tensor,
-    save_preact: bool,
+    save_preact: bool, row_pairs_RK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return grouped_swiglu_forward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact)
 
 
 @_grouped_swiglu_op.register_fake
-def _(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact):
+def _(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact, row_pairs_RK=None):
     two_f = w_gate_up_E2FD.shape[1]
     num_pairs = pair_row_M.shape[0]
     return x_RD.new_empty(num_pairs, two_f // 2), x_RD.new_empty(num_pairs if save_preact else 0, two_f)
@@ -468,34 +487,36 @@ def _(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact):
 def _grouped_swiglu_backward_op(
     dh_MF: torch.Tensor, x_RD: torch.Tensor, pair_row_M: torch.Tensor, expert_offsets: torch.Tensor,
     w_gate_up_E2FD: torch.Tensor, preact_M2F: torch.Tensor, need_dx: bool, need_dw: bool,
+    row_pairs_RK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return grouped_swiglu_backward(dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F,
-                                   need_dx, need_dw)
+                                   need_dx, need_dw, row_pairs_RK)
 
 
 @_grouped_swiglu_backward_op.register_fake
-def _(dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw):
+def _(dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw, row_pairs_RK=None):
     dx = x_RD.new_empty(x_RD.shape if need_dx else (0,))
     dw = w_gate_up_E2FD.new_empty(w_gate_up_E2FD.shape if need_dw else (0,))
     return dx, dw
 
 
 def _swiglu_setup_context(ctx, inputs, output) -> None:
-    x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, _ = inputs
+    x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, _ = inputs[:5]
+    row_pairs_RK = inputs[5] if len(inputs) > 5 else None
     _, preact_M2F = output
-    ctx.save_for_backward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F)
+    ctx.save_for_backward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, row_pairs_RK)
     ctx.set_materialize_grads(False)
 
 
 def _swiglu_grad(ctx, dh_MF, _dpreact):
-    x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F = ctx.saved_tensors
+    x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, row_pairs_RK = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
     if dh_MF is None or not (need_dx or need_dw):
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     dx_RD, dw_E2FD = _grouped_swiglu_backward_op(
-        dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw
+        dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw, row_pairs_RK
     )
-    return (dx_RD if need_dx else None), None, None, (dw_E2FD if need_dw else None), None
+    return (dx_RD if need_dx else None), None, None, (dw_E2FD if need_dw else None), None, None
 
 
 _grouped_swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup_context)
@@ -506,8 +527,11 @@ def grouped_swiglu(
     pair_row_M: torch.Tensor,
     expert_offsets: torch.Tensor,
     w_gate_up_E2FD: torch.Tensor,
+    row_pairs_RK: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """h [M, F] = silu(x[row] Wg[e]^T) * (x[row] Wu[e]^T), fp32 accumulation (differentiable in x, W)."""
+    """h [M, F] = silu(x[row] Wg[e]^T) * (x[row] Wu[e]^T), fp32 accumulation (differentiable in x, W).
+    Optional `row_pairs_RK` [R, K] (each row's pair positions, −1 = none) is used by the backward
+    to sum dx per row without sorting; it must agree with `pair_row_M` (not checked)."""
     save_preact = torch.is_grad_enabled() and (x_RD.requires_grad or w_gate_up_E2FD.requires_grad)
-    h_MF, _ = _grouped_swiglu_op(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact)
+    h_MF, _ = _grouped_swiglu_op(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact, row_pairs_RK)
     return h_MF

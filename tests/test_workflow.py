@@ -17,7 +17,7 @@ def dry_run(*extra: str) -> subprocess.CompletedProcess:
 
 
 def test_default_dag_has_every_stage():
-    out = dry_run()
+    out = dry_run("--forceall")
     assert out.returncode == 0, out.stderr[-2000:]
     for rule in ["build_data", "pretrain_model", "profile_coactivation", "place_experts",
                  "finetune_variant", "eval_variant", "bench_layer", "make_report"]:

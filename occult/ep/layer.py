@@ -3,22 +3,27 @@
 `ep_moe` runs on every rank of an EP group of D ranks, each with its own tokens and the experts
 the placement gives it:
 
-  1. plan (`occult.ep.plan.build_plan`): send order, BRIM_0, split sizes;
-  2. exchange the row/pair counts (one small all-to-all, one host sync for the receive splits);
-  3. dispatch: all-to-all of the token rows, the pair codes and the gate weights (fp32);
-  4. expert side: BRIM_1 (`build_pairs`), grouped SwiGLU, grouped down projection scaled by the
-     gates and summed per received row in fp32 (`dedup`: one returned row per (token, device));
+  1. plan on the device (`occult.ep.plan.count_plan`): send order, rows, per-device counts;
+  2. exchange the counts (one small all-to-all) and read send + receive split sizes in the
+     layer's ONE host sync; finish the plan (BRIM_0, packed-row slots) without further syncs;
+  3. dispatch: ONE all-to-all of packed rows (hidden vector + each pair's local expert id and
+     fp32 gate in a fixed tail, padded to 64 bytes);
+  4. expert side: BRIM_1 and the row → pairs table (`build_pairs_from_slots`), grouped SwiGLU,
+     grouped down projection scaled by the gates and summed per received row in fp32 (`dedup`:
+     one returned row per (token, device));
   5. return the rows with the inverse all-to-all and combine the C_T partials per token.
 
 Backward runs the same indices the other way: the transposed all-to-alls swap dispatch and
-combine, and the gate-weight gradient is formed on the expert side (from `pair_gate_M`) and
-travels back through the gate all-to-all. The expert compute and combine are a pluggable
+combine (row gradients summed per token by the combine op over BRIM_0), and the gate-weight
+gradient is formed on the expert side (from `pair_gate_M`) and travels back in a small
+all-to-all. Placement tables are memoised per placement value (`placement_tables`). The expert compute and combine are a pluggable
 backend: "torch" (the plain references of `occult.kernels.reference`) or "triton"
 (`occult.kernels.grouped_swiglu`, `grouped_down_reduce`, `combine`, imported on first use).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import types
 from dataclasses import asdict, dataclass
@@ -31,9 +36,10 @@ from occult.ep.plan import (
     META_BYTES_PER_PAIR,
     MODES,
     DispatchPlan,
-    build_pairs,
-    build_plan,
+    build_pairs_from_slots,
     check_placement,
+    count_plan,
+    finish_plan,
     local_expert_ids,
 )
 
@@ -49,6 +55,7 @@ class ExpertBackend:
     grouped_swiglu: Callable[..., torch.Tensor]
     grouped_down_reduce: Callable[..., torch.Tensor]
     combine: Callable[..., torch.Tensor]
+    takes_row_table: bool = False    # the grouped ops accept `row_pairs_RK=` (reduce without a sort)
 
 
 def _resolve_kernel(name: str) -> Callable[..., torch.Tensor]:
@@ -77,7 +84,7 @@ def get_backend(name: str) -> ExpertBackend:
                 f"backend='triton' needs occult.kernels.{{{', '.join(KERNEL_NAMES)}}} "
                 f"(the folder kernels/), which could not be loaded: {err}"
             ) from err
-        return ExpertBackend("triton", *ops)
+        return ExpertBackend("triton", *ops, takes_row_table=True)
     raise ValueError(f"backend: {name!r} is not one of {BACKENDS}")
 
 
@@ -86,7 +93,8 @@ class EPStats:
     """Traffic of `ep_moe` calls on one rank, accumulated over calls (forward only).
 
     Remote bytes cross the network; self bytes are the rows a rank routes to its own experts
-    (a copy, listed apart). Dispatch bytes = hidden rows + 8 bytes of metadata per pair.
+    (a copy, listed apart). Dispatch bytes = packed rows: the hidden vector (padded to 4 bytes)
+    plus 8 bytes per metadata slot, `slots` = the most pairs any row of the call carries.
     """
 
     calls: int = 0
@@ -126,6 +134,8 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return x                                           # a single device: nothing to exchange
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out
@@ -136,6 +146,116 @@ def group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return 1, 0
     return dist.get_world_size(group), dist.get_rank(group)
+
+
+@dataclass(frozen=True)
+class PlacementTables:
+    """What `ep_moe` derives from a placement, on the compute device (built once per placement)."""
+
+    placement_E: torch.Tensor        # int64 [E] device of each expert
+    local_id_E: torch.Tensor         # int64 [E] index of each expert among its device's experts
+    experts_here: int                # experts on this rank
+
+
+@functools.lru_cache(maxsize=64)
+def _placement_tables(values: tuple[int, ...], world: int, rank: int, device: torch.device) -> PlacementTables:
+    placement_cpu = check_placement(torch.tensor(values, dtype=torch.long), world)
+    return PlacementTables(
+        placement_E=placement_cpu.to(device),
+        local_id_E=local_expert_ids(placement_cpu, world).to(device),
+        experts_here=int((placement_cpu == rank).sum()),
+    )
+
+
+def placement_tables(
+    device_of_expert_E: torch.Tensor, world: int, rank: int, device: torch.device
+) -> PlacementTables:
+    """Placement-derived tables on `device`, memoised by value (a pure function of its inputs).
+
+    Reading a CPU placement costs ~µs and no sync; a placement on the GPU costs one sync per
+    call (keep it on the CPU). The copies to the device happen once per placement.
+    """
+    values = device_of_expert_E
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.is_floating_point():
+            check_placement(values.detach().cpu(), world)        # raises, naming the field
+        values = values.detach().tolist()
+    return _placement_tables(tuple(int(v) for v in values), world, rank, torch.device(device))
+
+
+ROW_ALIGN_BYTES = 64   # packed rows start 64-byte aligned: the kernels' row loads stay 16-byte vectors
+
+
+def _row_layout(hidden: int, dtype: torch.dtype, slots: int) -> tuple[int, int]:
+    """(bytes of the hidden part, padded to 4; bytes of a packed row, padded to ROW_ALIGN_BYTES)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    hidden_bytes = -(-hidden * elem // 4) * 4
+    row_bytes = hidden_bytes + META_BYTES_PER_PAIR * slots
+    return hidden_bytes, -(-row_bytes // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+
+
+def _pack_rows(x_TD: torch.Tensor, gate_P: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """uint8 [S, row bytes]: each sent row = its hidden vector, then `slots` int32 local expert
+    ids (−1 = empty) and `slots` fp32 gates."""
+    hidden, slots = x_TD.shape[1], plan.slots
+    hidden_bytes, row_bytes = _row_layout(hidden, x_TD.dtype, slots)
+    buf = torch.empty(plan.num_rows, row_bytes, dtype=torch.uint8, device=x_TD.device)
+    x_view = buf[:, : hidden * x_TD.element_size()].view(x_TD.dtype)
+    torch.index_select(x_TD, 0, plan.send_token_S, out=x_view)
+    meta = buf[:, hidden_bytes:].view(torch.int32)
+    meta[:, :slots].fill_(-1)
+    meta[:, slots:].zero_()                                   # gates and the alignment padding
+    rank_P = plan.pair_rank_P
+    meta.index_put_((plan.pair_row_P, rank_P), (plan.pair_code_P >> 1).to(torch.int32))
+    meta.index_put_((plan.pair_row_P, rank_P + slots), gate_P.float().contiguous().view(torch.int32))
+    return buf
+
+
+def _unpack_rows(
+    buf: torch.Tensor, hidden: int, dtype: torch.dtype, slots: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_RD, code_RK int32, gate_RK fp32): strided views into a packed buffer."""
+    hidden_bytes, _ = _row_layout(hidden, dtype, slots)
+    elem = torch.empty(0, dtype=dtype).element_size()
+    meta = buf[:, hidden_bytes:].view(torch.int32)
+    return buf[:, : hidden * elem].view(dtype), meta[:, :slots], meta[:, slots : 2 * slots].view(torch.float32)
+
+
+class _Dispatch(torch.autograd.Function):
+    """Send each planned row (hidden vector + its pairs' expert ids and gates) in ONE all-to-all.
+
+    Backward: the row gradients travel back (one all-to-all) and are summed per token by the
+    combine op over BRIM_0 (each token's rows; deterministic); the gate gradients travel back
+    (one small all-to-all) and land in their (t, j) slots (a permutation: no accumulation).
+    """
+
+    @staticmethod
+    def forward(ctx, x_TD, weights_TK, plan: DispatchPlan, recv_rows: list[int], group, combine):  # type: ignore[override]
+        gate_P = weights_TK.reshape(-1)[plan.pair_slot_P]
+        buf = _pack_rows(x_TD, gate_P, plan)
+        recv = _all_to_all(buf, recv_rows, plan.rows_per_device, group)
+        x_RD, code_RK, gate_RK = _unpack_rows(recv, x_TD.shape[1], x_TD.dtype, plan.slots)
+        ctx.plan, ctx.recv_rows, ctx.group, ctx.combine = plan, recv_rows, group, combine
+        ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x_TD.dtype, weights_TK.dtype, weights_TK.shape
+        ctx.mark_non_differentiable(code_RK)
+        return x_RD, code_RK, gate_RK
+
+    @staticmethod
+    def backward(ctx, dx_RD, _dcode, dgate_RK):  # type: ignore[override]
+        plan: DispatchPlan = ctx.plan
+        send_rows, recv_rows = plan.rows_per_device, ctx.recv_rows
+        dx_TD = dweights_TK = None
+        if ctx.needs_input_grad[0]:
+            dx_SD = _all_to_all(dx_RD.to(ctx.x_dtype).contiguous(), send_rows, recv_rows, ctx.group)
+            with torch.no_grad():
+                dx_TD = ctx.combine(dx_SD, plan.brim0_TJ)
+        if ctx.needs_input_grad[1]:
+            dgate_SK = _all_to_all(dgate_RK.float().contiguous(), send_rows, recv_rows, ctx.group)
+            dgate_P = dgate_SK[plan.pair_row_P, plan.pair_rank_P]
+            flat = dgate_P.new_zeros(plan.pair_slot_P.numel())
+            flat[plan.pair_slot_P] = dgate_P
+            dweights_TK = flat.view(ctx.w_shape).to(ctx.w_dtype)
+        return dx_TD, dweights_TK, None, None, None, None
 
 
 def ep_moe(
@@ -159,43 +279,40 @@ def ep_moe(
     `w_down_local` [E_r, D, F]. Every rank of the group must call this together. `shared_expert`,
     if given, is computed locally and added. `stats`, if given, accumulates the traffic (one more
     host sync for the C_T sum).
+
+    Per call: 3 all-to-alls (counts; packed rows; returned partials) and ONE host sync (the
+    receive split sizes, read together with the send split sizes).
     """
     world, rank = group_size_and_rank(group)
     ops = get_backend(backend) if isinstance(backend, str) else backend
     _check_inputs(x_TD, ids_TK, weights_TK, w_gate_up_local, w_down_local, mode)
-    placement_cpu = check_placement(device_of_expert_E.detach().cpu(), world)
-    local_id_E = local_expert_ids(placement_cpu, world)
-    experts_here = int((placement_cpu == rank).sum())
-    if w_gate_up_local.shape[0] != experts_here:
+    device = x_TD.device
+    tables = placement_tables(device_of_expert_E, world, rank, device)
+    if w_gate_up_local.shape[0] != tables.experts_here:
         raise ValueError(
             f"w_gate_up_local: holds {w_gate_up_local.shape[0]} experts but device_of_expert_E puts "
-            f"{experts_here} on rank {rank}"
+            f"{tables.experts_here} on rank {rank}"
         )
 
-    device = x_TD.device
-    plan = build_plan(ids_TK, placement_cpu.to(device), world, local_id_E.to(device), mode)
-    send_rows, send_pairs = plan.rows_per_device, plan.pairs_per_device
-    if world == 1:
-        recv_rows, recv_pairs = send_rows, send_pairs
-    else:
-        counts_D2 = torch.tensor([send_rows, send_pairs], dtype=torch.long, device=device).t().contiguous()
-        recv_counts_D2 = _all_to_all(counts_D2, [1] * world, [1] * world, group)
-        recv_rows, recv_pairs = recv_counts_D2.t().tolist()  # host sync: receive split sizes
+    counts = count_plan(ids_TK, tables.placement_E, world, tables.local_id_E, mode)
+    recv_counts_D3 = _all_to_all(counts.counts_D3, [1] * world, [1] * world, group)
+    # The one host sync: send and receive split sizes (and every rank's most pairs per row).
+    send_rows, send_pairs, _, recv_rows, recv_pairs, most_pairs = (
+        torch.cat([counts.counts_D3, recv_counts_D3], 1).t().tolist()
+    )
+    plan = finish_plan(counts, send_rows, send_pairs, max(max(most_pairs, default=1), 1))
 
-    gate_P = weights_TK.reshape(-1)[plan.pair_slot_P].float()
-    x_SD = x_TD[plan.send_token_S]
-
-    def exchange(t: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
-        return t if world == 1 else _AllToAll.apply(t, recv, send, group)
-
-    x_RD = exchange(x_SD, recv_rows, send_rows)
-    gate_recv_P = exchange(gate_P, recv_pairs, send_pairs)
-    code_recv_P = exchange(plan.pair_code_P, recv_pairs, send_pairs)
-
-    pair_row_M, pair_gate_M, expert_offsets = build_pairs(code_recv_P, gate_recv_P, experts_here)
-    h_MF = ops.grouped_swiglu(x_RD, pair_row_M, expert_offsets, w_gate_up_local)
-    y_RD = ops.grouped_down_reduce(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_local, x_RD.shape[0])
-    z_SD = exchange(y_RD, send_rows, recv_rows)
+    x_RD, code_RK, gate_RK = _Dispatch.apply(x_TD, weights_TK, plan, recv_rows, group, ops.combine)
+    pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = build_pairs_from_slots(
+        code_RK, sum(recv_pairs), tables.experts_here
+    )
+    pair_gate_M = gate_RK.reshape(-1)[pair_flat_M]
+    table = {"row_pairs_RK": pair_pos_RK} if ops.takes_row_table else {}
+    h_MF = ops.grouped_swiglu(x_RD, pair_row_M, expert_offsets, w_gate_up_local, **table)
+    y_RD = ops.grouped_down_reduce(
+        h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_local, x_RD.shape[0], **table
+    )
+    z_SD = y_RD if world == 1 else _AllToAll.apply(y_RD, send_rows, recv_rows, group)
     y_TD = ops.combine(z_SD, plan.brim0_TJ)
 
     if shared_expert is not None:
@@ -234,7 +351,7 @@ def _check_inputs(
 def _record(
     stats: EPStats, plan: DispatchPlan, rank: int, x_TD: torch.Tensor, z_SD: torch.Tensor, recv_rows: list[int]
 ) -> None:
-    row_bytes = x_TD.shape[1] * x_TD.element_size()
+    _, row_bytes = _row_layout(x_TD.shape[1], x_TD.dtype, plan.slots)   # packed: hidden + slots
     back_bytes = x_TD.shape[1] * z_SD.element_size()
     rows, pairs = plan.rows_per_device, plan.pairs_per_device
     remote_rows = sum(rows) - rows[rank]
@@ -245,6 +362,6 @@ def _record(
     stats.rows_remote += remote_rows
     stats.rows_self += rows[rank]
     stats.pairs_remote += remote_pairs
-    stats.bytes_dispatch_remote += remote_rows * row_bytes + remote_pairs * META_BYTES_PER_PAIR
+    stats.bytes_dispatch_remote += remote_rows * row_bytes
     stats.bytes_combine_remote += (sum(recv_rows) - recv_rows[rank]) * back_bytes
-    stats.bytes_self += rows[rank] * (row_bytes + back_bytes) + pairs[rank] * META_BYTES_PER_PAIR
+    stats.bytes_self += rows[rank] * (row_bytes + back_bytes)

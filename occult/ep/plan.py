@@ -17,8 +17,20 @@ weight (fp32). `starts_row` marks the first pair of each row, so the receiver re
 every pair with a cumulative sum. Metadata is therefore 8 bytes per (token, expert) in both modes,
 and dedup never sends more bytes than per_expert (equal when k = 1).
 
-Host synchronisation: `build_plan` makes exactly one (`.tolist()` of the per-device row and
-pair counts, which the all-to-all needs as split sizes). `build_pairs` makes none.
+Packed rows (what `occult.ep.layer` actually sends, v2). Each sent row carries its pairs'
+metadata in a fixed tail of `slots` entries (slots = k in dedup mode, 1 in per_expert mode): the
+local expert id (int32, −1 = empty slot) and the gate (fp32), so hidden rows and metadata travel
+in ONE all-to-all. `DispatchPlan.pair_row_P`/`pair_rank_P` give each pair's (row, slot), and
+`build_pairs_from_slots` rebuilds BRIM_1 on the expert rank from the received [R, slots] codes,
+together with the [R, slots] table of each row's pair positions in expert order (the reduction
+table of the down projection: no sort by row is needed).
+
+Host synchronisation: `count_plan` and `finish_plan` make none; `build_plan` = both plus exactly
+one `.tolist()` of the per-device row and pair counts (the all-to-all split sizes). The layer
+instead exchanges the counts on the device first and reads send and receive counts in one sync.
+`build_pairs` and `build_pairs_from_slots` make none. Per-device counts come from binary searches
+over the device-sorted pairs (no `index_add_`: its atomics on D bins serialise), and sort keys are
+narrowed to int16 where they fit (fewer radix passes).
 """
 
 from __future__ import annotations
@@ -68,6 +80,34 @@ def experts_of_device(device_of_expert_E: torch.Tensor, device: int) -> torch.Te
     return torch.nonzero(device_of_expert_E.long() == device).flatten()
 
 
+def narrow_key(key: torch.Tensor, bound: int) -> torch.Tensor:
+    """`key` (values in [0, bound]) as int16 when it fits: a radix sort then makes 2 passes, not 8."""
+    return key.to(torch.int16) if bound < 2**15 else key
+
+
+@dataclass(frozen=True)
+class PlanCounts:
+    """The device half of a plan (no host sync): pairs in send order and per-device counts.
+
+    P = T*k pairs sent, in (device, token, slot) order.
+    """
+
+    mode: str
+    num_devices: int
+    num_tokens: int
+    top_k: int
+    pair_slot_P: torch.Tensor        # int64 [P] index t*k + j of the pair's gate in weights_TK
+    token_P: torch.Tensor            # int64 [P]
+    dev_P: torch.Tensor              # int64 [P] destination device
+    starts_P: torch.Tensor           # bool [P] first pair of its row
+    row_P: torch.Tensor              # int64 [P] row of the pair in the send buffer
+    rank_P: torch.Tensor             # int64 [P] slot of the pair within its row
+    code_P: torch.Tensor             # int64 [P] local expert id at the destination
+    counts_D3: torch.Tensor          # int64 [D, 3] rows and pairs sent to each device, and (same in
+                                     # every row) the most pairs any sent row carries
+    devices_per_token_T: torch.Tensor  # int64 [T] C_T
+
+
 @dataclass(frozen=True)
 class DispatchPlan:
     """Everything the source rank needs to send its tokens and combine what comes back.
@@ -84,20 +124,23 @@ class DispatchPlan:
     devices_per_token_T: torch.Tensor  # int64 [T] C_T
     rows_per_device: list[int]       # host: rows sent to each device (all-to-all split sizes)
     pairs_per_device: list[int]      # host: pairs sent to each device
+    pair_row_P: torch.Tensor | None = None   # int64 [P] row of each pair in the send buffer
+    pair_rank_P: torch.Tensor | None = None  # int64 [P] the pair's slot within its row (< slots)
+    slots: int = 1                   # metadata slots per packed row (max pairs per row)
 
     @property
     def num_rows(self) -> int:
         return sum(self.rows_per_device)
 
 
-def build_plan(
+def count_plan(
     ids_TK: torch.Tensor,
     device_of_expert_E: torch.Tensor,
     num_devices: int,
     local_id_of_expert_E: torch.Tensor,
     mode: str = "dedup",
-) -> DispatchPlan:
-    """Plan the dispatch of T tokens routed to `ids_TK` (global expert ids) on the tensors' device."""
+) -> PlanCounts:
+    """The device half of `build_plan`: send order, row numbering and per-device counts."""
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {MODES}")
     if ids_TK.dim() != 2:
@@ -110,9 +153,9 @@ def build_plan(
     dev_flat = placement[ids_flat]                                   # [P] in (t, j) order
 
     # Pairs in send order (device, token, slot): a stable sort by device keeps (t, j) order.
-    _, pair_slot_P = torch.sort(dev_flat, stable=True)
+    dev_sorted, pair_slot_P = torch.sort(narrow_key(dev_flat, num_devices), stable=True)
     dev_P = dev_flat[pair_slot_P]
-    token_P = pair_slot_P // top_k
+    token_P = pair_slot_P // max(top_k, 1)
     num_pairs = pair_slot_P.numel()
 
     hit_TD = torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=device)
@@ -123,37 +166,91 @@ def build_plan(
     starts_P = torch.ones(num_pairs, dtype=torch.bool, device=device)
     if mode == "dedup" and num_pairs > 1:
         starts_P[1:] = (token_P[1:] != token_P[:-1]) | (dev_P[1:] != dev_P[:-1])
-    row_P = torch.cumsum(starts_P.long(), 0) - 1
+    rows_through_P = torch.cumsum(starts_P.long(), 0)
+    row_P = rows_through_P - 1
+    # Slot of a pair within its row: distance to the row's first pair.
+    index_P = torch.arange(num_pairs, device=device)
+    if mode == "dedup" and num_pairs:
+        # First pair of each row by a scatter-add where only the row's start contributes (exact in
+        # integers, so deterministic; CUDA's cummax is a slow generic scan).
+        first_R = torch.zeros_like(index_P).scatter_add_(0, row_P, torch.where(starts_P, index_P, 0))
+        rank_P = index_P - first_R[row_P]
+    else:
+        rank_P = torch.zeros_like(index_P)
+    most_pairs = (rank_P.max() + 1) if num_pairs else rank_P.new_zeros(())
 
-    rows_D = torch.zeros(num_devices, dtype=torch.long, device=device).index_add_(0, dev_P, starts_P.long())
-    pairs_D = torch.zeros(num_devices, dtype=torch.long, device=device).index_add_(
-        0, dev_P, torch.ones_like(dev_P)
+    # Per-device counts by binary search over the device-sorted pairs (no atomics, no sync).
+    bounds_D1 = torch.searchsorted(
+        dev_sorted, torch.arange(num_devices + 1, device=device, dtype=dev_sorted.dtype)
     )
-    # The one host sync: split sizes of the all-to-all (and the size of the send buffer).
-    rows_per_device, pairs_per_device = torch.stack([rows_D, pairs_D]).tolist()
-    num_rows = sum(rows_per_device)
+    rows_through_D1 = torch.cat([rows_through_P.new_zeros(1), rows_through_P])[bounds_D1]
+    counts_D3 = torch.stack(
+        [rows_through_D1.diff(), bounds_D1.diff(), most_pairs.expand(num_devices)], dim=1
+    )
+    return PlanCounts(
+        mode=mode,
+        num_devices=num_devices,
+        num_tokens=num_tokens,
+        top_k=top_k,
+        pair_slot_P=pair_slot_P,
+        token_P=token_P,
+        dev_P=dev_P,
+        starts_P=starts_P,
+        row_P=row_P,
+        rank_P=rank_P,
+        code_P=local_id[ids_flat[pair_slot_P]],
+        counts_D3=counts_D3,
+        devices_per_token_T=devices_per_token_T,
+    )
 
+
+def finish_plan(
+    counts: PlanCounts, rows_per_device: list[int], pairs_per_device: list[int], slots: int
+) -> DispatchPlan:
+    """The host half of `build_plan`, given the counts read back from `counts.counts_D3` and the
+    metadata slots per packed row (≥ the most pairs of any row; all ranks must agree on it)."""
+    device = counts.row_P.device
+    num_rows = sum(rows_per_device)
+    num_tokens, top_k = counts.num_tokens, counts.top_k
+    token_P, dev_P, row_P, starts_P = counts.token_P, counts.dev_P, counts.row_P, counts.starts_P
     # Every pair of a row names the same token: duplicate writes store equal values.
-    send_token_S = torch.zeros(num_rows, dtype=torch.long, device=device).index_put_((row_P,), token_P)
-    if mode == "dedup":
-        brim0_TJ = torch.full((num_tokens, num_devices), -1, dtype=torch.long, device=device)
+    send_token_S = torch.zeros(num_rows, dtype=torch.long, device=device).scatter_(0, row_P, token_P)
+    if counts.mode == "dedup":
+        brim0_TJ = torch.full((num_tokens, counts.num_devices), -1, dtype=torch.long, device=device)
         brim0_TJ.index_put_((token_P, dev_P), row_P)
     else:
         brim0_TJ = torch.empty(num_tokens * top_k, dtype=torch.long, device=device)
-        brim0_TJ[pair_slot_P] = row_P
+        brim0_TJ[counts.pair_slot_P] = row_P
         brim0_TJ = brim0_TJ.view(num_tokens, top_k)
-    pair_code_P = (2 * local_id[ids_flat[pair_slot_P]] + starts_P.long()).to(torch.int32)
+    pair_code_P = (2 * counts.code_P + starts_P.long()).to(torch.int32)
     return DispatchPlan(
-        mode=mode,
-        num_devices=num_devices,
+        mode=counts.mode,
+        num_devices=counts.num_devices,
         send_token_S=send_token_S,
         pair_code_P=pair_code_P,
-        pair_slot_P=pair_slot_P,
+        pair_slot_P=counts.pair_slot_P,
         brim0_TJ=brim0_TJ,
-        devices_per_token_T=devices_per_token_T,
+        devices_per_token_T=counts.devices_per_token_T,
         rows_per_device=rows_per_device,
         pairs_per_device=pairs_per_device,
+        pair_row_P=row_P,
+        pair_rank_P=counts.rank_P,
+        slots=max(slots, 1),
     )
+
+
+def build_plan(
+    ids_TK: torch.Tensor,
+    device_of_expert_E: torch.Tensor,
+    num_devices: int,
+    local_id_of_expert_E: torch.Tensor,
+    mode: str = "dedup",
+) -> DispatchPlan:
+    """Plan the dispatch of T tokens routed to `ids_TK` (global expert ids) on the tensors' device."""
+    counts = count_plan(ids_TK, device_of_expert_E, num_devices, local_id_of_expert_E, mode)
+    # The one host sync: split sizes of the all-to-all (and the size of the send buffer).
+    rows_per_device, pairs_per_device, most_pairs = counts.counts_D3.t().tolist()
+    return finish_plan(counts, rows_per_device, pairs_per_device, max(most_pairs, default=1))
 
 
 def build_pairs(
@@ -174,9 +271,37 @@ def build_pairs(
     code = recv_code_P.long()
     row_P = torch.cumsum(code & 1, 0) - 1
     expert_P = code >> 1
-    expert_M, order_M = torch.sort(expert_P, stable=True)
-    counts_E = torch.zeros(experts_per_rank, dtype=torch.long, device=code.device).index_add_(
-        0, expert_M, torch.ones_like(expert_M)
+    expert_M, order_M = torch.sort(narrow_key(expert_P, experts_per_rank), stable=True)
+    expert_offsets = torch.searchsorted(
+        expert_M, torch.arange(experts_per_rank + 1, device=code.device, dtype=expert_M.dtype)
     )
-    expert_offsets = torch.cat([counts_E.new_zeros(1), torch.cumsum(counts_E, 0)])
     return row_P[order_M], recv_gate_P[order_M], expert_offsets
+
+
+def build_pairs_from_slots(
+    code_RK: torch.Tensor,
+    num_pairs: int,
+    experts_per_rank: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BRIM_1 from packed rows: (pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK).
+
+    `code_RK` int [R, K]: the local expert of each row's slots (−1 = empty), `num_pairs` = the
+    number of filled slots (known on the host from the split sizes). Pairs are grouped by expert
+    (stable: row-major within an expert). `pair_flat_M` = r*K + slot of each pair (gather the
+    gates with it), `pair_pos_RK` = each slot's position in expert order (−1 = empty): the table
+    that reduces the pairs of every row without sorting by row. No host sync.
+    """
+    if code_RK.dim() != 2:
+        raise ValueError(f"code_RK: expected [R, K], got shape {tuple(code_RK.shape)}")
+    device = code_RK.device
+    num_rows, slots = code_RK.shape
+    code_flat = code_RK.reshape(-1).long()
+    key = torch.where(code_flat >= 0, code_flat, experts_per_rank)      # empty slots sort last
+    key_sorted, order = torch.sort(narrow_key(key, experts_per_rank), stable=True)
+    pair_flat_M = order[:num_pairs]
+    expert_offsets = torch.searchsorted(
+        key_sorted[:num_pairs], torch.arange(experts_per_rank + 1, device=device, dtype=key_sorted.dtype)
+    )
+    pair_pos_RK = torch.full((num_rows * slots,), -1, dtype=torch.long, device=device)
+    pair_pos_RK[pair_flat_M] = torch.arange(num_pairs, device=device)
+    return pair_flat_M, pair_flat_M // max(slots, 1), expert_offsets, pair_pos_RK.view(num_rows, slots)

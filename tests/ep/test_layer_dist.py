@@ -109,6 +109,8 @@ def check_scenarios(rank: int, world: int) -> list[dict]:
                 "grad_w_down": err(wd.grad, wd_full.grad[local]),
                 "c_t_ok": stats.devices_per_token_sum == c_t and stats.tokens == len(ids),
                 "bytes": stats.bytes_dispatch_remote,
+                "rows": stats.rows_remote,
+                "pairs": stats.pairs_remote,
                 "top_k": top_k,
             })
     return reports
@@ -119,12 +121,18 @@ def assert_reports(reports: list[dict], atol: float = 2e-5) -> None:
         for field in ("y", "grad_x", "grad_weights", "grad_w_gate_up", "grad_w_down"):
             assert rep[field] <= atol, f"{field} off by {rep[field]:.2e} in {rep}"
         assert rep["c_t_ok"], rep
+        # Packed rows carry the hidden vector and 8 bytes per metadata slot (k slots at most),
+        # padded to 64 bytes.
+        row_bytes = HIDDEN * 4
+        assert rep["bytes"] >= rep["rows"] * row_bytes + rep["pairs"] * 8, rep
+        assert rep["bytes"] <= rep["rows"] * (-(-(row_bytes + 8 * rep["top_k"]) // 64) * 64), rep
     by_key = {(r["scenario"], r["rank"], r["mode"]): r for r in reports}
     for (scenario, rank, mode), rep in by_key.items():
         if mode != "dedup":
             continue
         per_expert = by_key[(scenario, rank, "per_expert")]
-        assert rep["bytes"] <= per_expert["bytes"], (rep, per_expert)
+        assert rep["rows"] <= per_expert["rows"], (rep, per_expert)
+        assert rep["pairs"] == per_expert["pairs"], (rep, per_expert)
         if rep["top_k"] == 1:
             assert rep["bytes"] == per_expert["bytes"], (rep, per_expert)
 

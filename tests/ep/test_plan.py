@@ -7,6 +7,7 @@ import torch
 
 from occult.ep.plan import (
     build_pairs,
+    build_pairs_from_slots,
     build_plan,
     check_placement,
     contiguous_placement,
@@ -178,3 +179,35 @@ def test_placement_helpers():
         check_placement(torch.tensor([[0, 1]]), 2)
     with pytest.raises(ValueError, match="mode"):
         build_plan(torch.zeros(1, 1, dtype=torch.long), placement, 3, local_expert_ids(placement, 3), "bogus")
+
+
+@pytest.mark.parametrize("mode", ["dedup", "per_expert"])
+@pytest.mark.parametrize("kind,T,E,K,D", CASES)
+def test_packed_slots_give_the_same_brim1_and_a_row_table(kind, T, E, K, D, mode):
+    """The packed-row metadata (pair_row_P, pair_rank_P) decodes to build_pairs' BRIM_1, and the
+    row table lists every pair of every row exactly once."""
+    placement = shuffled_placement(E, D, seed=T * 5 + E)
+    local_id = local_expert_ids(placement, D)
+    ids = routing(kind, T, E, K, placement, seed=4)
+    plan = build_plan(ids, placement, D, local_id, mode)
+    assert plan.slots == max([1] + [int(r) + 1 for r in plan.pair_rank_P])
+    gate_P = torch.rand(T * K).flatten()[plan.pair_slot_P]
+    row_start = pair_start = 0
+    for d in range(D):
+        n_rows, n_pairs = plan.rows_per_device[d], plan.pairs_per_device[d]
+        pairs = slice(pair_start, pair_start + n_pairs)
+        code_RK = torch.full((n_rows, plan.slots), -1, dtype=torch.int32)
+        gate_RK = torch.zeros(n_rows, plan.slots)
+        code_RK[plan.pair_row_P[pairs] - row_start, plan.pair_rank_P[pairs]] = (plan.pair_code_P[pairs] >> 1)
+        gate_RK[plan.pair_row_P[pairs] - row_start, plan.pair_rank_P[pairs]] = gate_P[pairs]
+        assert int((code_RK >= 0).sum()) == n_pairs                   # no two pairs share a slot
+        experts_here = int((placement == d).sum())
+        flat, pair_row, offsets, table = build_pairs_from_slots(code_RK, n_pairs, experts_here)
+        want_row, want_gate, want_offsets = build_pairs(plan.pair_code_P[pairs], gate_P[pairs], experts_here)
+        assert torch.equal(pair_row, want_row) and torch.equal(offsets, want_offsets)
+        assert torch.equal(gate_RK.flatten()[flat], want_gate)
+        for r in range(n_rows):
+            listed = sorted(int(m) for m in table[r] if m >= 0)
+            assert listed == [m for m in range(n_pairs) if int(pair_row[m]) == r]
+        row_start += n_rows
+        pair_start += n_pairs

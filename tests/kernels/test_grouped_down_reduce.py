@@ -18,6 +18,7 @@ CASES = {
     "npow2": (20, 48, 40, 4, "random2"),
     "empty_experts": (18, 32, 24, 4, [[0, 2], [2], [], [0], [2, 0], [2]] * 3),
     "hot_expert": (40, 32, 16, 4, [[3]] * 40),
+    "one_per_row": (12, 32, 16, 4, [[3], [1], [0], [2]] * 3),
     "no_pairs": (6, 32, 16, 3, [[]] * 6),
     "one_row": (1, 48, 40, 4, [[3, 1, 0]]),
     "all_experts": (9, 32, 16, 4, [[0, 1, 2, 3], [], [3, 2, 1, 0]] * 3),
@@ -180,3 +181,55 @@ def _check_bf16(h, pair_row, gate, offsets, w, rows):
     assert _rel_err(y, y_ref) <= 1e-2
     for got, want in zip(grads, grads_ref):
         assert _rel_err(got, want) <= 1e-2
+
+
+def row_table(pair_row: torch.Tensor, rows: int, width: int) -> torch.Tensor:
+    """[rows, width] positions of each row's pairs (−1 = none), columns in a shuffled order."""
+    table = torch.full((rows, width), -1, dtype=torch.long)
+    filled = [0] * rows
+    for m, r in enumerate(pair_row.tolist()):
+        table[r, filled[r]] = m
+        filled[r] += 1
+    gen = torch.Generator().manual_seed(rows)
+    return table[:, torch.randperm(width, generator=gen)].to(pair_row.device)
+
+
+@pytest.mark.parametrize("case", ["basic", "empty_experts", "all_experts", "no_pairs", "hot_expert", "one_per_row"])
+def test_row_table_path_matches_reference(case, poisoned_empty):
+    """With `row_pairs_RK` the reduction (down forward, SwiGLU dx) gathers through the table; a
+    one-column table with one pair per row (hot_expert) takes the direct-store path."""
+    from occult.kernels import grouped_swiglu, grouped_swiglu_ref
+
+    h, pair_row, gate, offsets, w, rows = make_case(case, torch.float32)
+    width = max([1] + torch.bincount(pair_row.cpu(), minlength=rows).tolist())
+    table = row_table(pair_row.cpu(), rows, width).to(pair_row.device)
+    for leaf in (h, gate, w):
+        leaf.requires_grad_()
+    y = grouped_down_reduce(h, pair_row, gate, offsets, w, rows, row_pairs_RK=table)
+    grad_out = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(y.device)
+    y_ref, dh_ref, dgate_ref, dw_ref = reference_grads(h, pair_row, gate, offsets, w, rows, grad_out)
+    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
+    if h.numel():
+        grads = torch.autograd.grad(y, (h, gate, w), grad_out)
+        for got, want in zip(grads, (dh_ref, dgate_ref, dw_ref)):
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+    hidden, ffn = w.shape[1], w.shape[2]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, hidden, generator=gen).to(h.device).requires_grad_()
+    w_gu = (torch.randn(w.shape[0], 2 * ffn, hidden, generator=gen) / hidden**0.5).to(h.device)
+    out = grouped_swiglu(x, pair_row, offsets, w_gu, row_pairs_RK=table)
+    x32 = x.detach().clone().requires_grad_()
+    ref = grouped_swiglu_ref(x32, pair_row, offsets, w_gu)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    if out.numel():
+        dh = torch.randn(out.shape, generator=gen).to(h.device)
+        (dx,) = torch.autograd.grad(out, (x,), dh)
+        (dx_ref,) = torch.autograd.grad(ref, (x32,), dh)
+        torch.testing.assert_close(dx, dx_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_row_table_names_the_field():
+    h, pair_row, gate, offsets, w, rows = make_case("basic", torch.float32)
+    with pytest.raises(ValueError, match="row_pairs_RK"):
+        grouped_down_reduce(h, pair_row, gate, offsets, w, rows, row_pairs_RK=torch.zeros(rows + 1, 2, dtype=torch.long))

@@ -74,7 +74,16 @@ def variant_model(wildcards):
 
 
 def final_outputs() -> list[str]:
+    """Every result a reader looks at, so deleting any one of them reruns its job and what follows."""
+    model = [f"{RESULTS}/model/pretrain_log.csv", f"{RESULTS}/model/router_structure.json"]
     return [
+        *(model if CFG.model.source == "scratch" else []),
+        f"{RESULTS}/profile/profile.json",
+        *PLACEMENT_FILES,
+        f"{RESULTS}/placement/expected_ct.csv",
+        *[f"{RESULTS}/finetune/{v}_log.csv" for v in VARIANTS if v != "raw"],
+        *[f"{RESULTS}/evaluate/{v}.json" for v in VARIANTS],
+        f"{RESULTS}/bench/ep_cpu.csv",
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",
         f"{RESULTS}/tables/placement_summary.csv",
