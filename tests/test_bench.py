@@ -82,10 +82,15 @@ def test_bench_writes_checked_rows(tmp_path):
     assert (paired.xs(0, level="tokens_per_rank") == 0).all().all()
     busy = frame[frame.tokens_per_rank > 0]
     assert (busy.fwd_ms > 0).all() and (busy.fwd_bwd_ms > 0).all()
-    # dispatch = remote rows of hidden fp32 + 8 B per remote pair; per_expert has one pair per row
+    # per_expert rows carry one (expert id, gate) slot behind the fp32 hidden vector, padded to
+    # the packed-row alignment: hidden 16 × 4 B + 8 B → 128 B per remote row
+    from occult.ep.layer import _row_layout
+
+    row_bytes = _row_layout(16, torch.float32, 1)[1]
+    assert row_bytes == 128
     per_expert = frame[frame["mode"] == "per_expert"]
     np.testing.assert_allclose(per_expert.bytes_dispatch_remote_per_rank,
-                               per_expert.rows_remote_per_rank * (16 * 4 + 8), rtol=1e-5)
+                               per_expert.rows_remote_per_rank * row_bytes, rtol=1e-5)
 
 
 def test_bench_stops_loudly_on_a_wrong_result(tmp_path, monkeypatch):
