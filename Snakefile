@@ -26,6 +26,7 @@ include: "workflow/rules/finetune.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/gpu.smk"
 
 
 rule all:

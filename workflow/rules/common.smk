@@ -73,6 +73,27 @@ def variant_model(wildcards):
     return f"{WORK}/finetune/{wildcards.variant}"
 
 
+def committed_sweep_runs() -> list[tuple[str, str]]:
+    """(machine, version) of every committed GPU sweep run: results/<machine>/sweeps_<version>/."""
+    runs = set()
+    for csv in Path("results").glob("*/sweeps_*/sweep_*_D*.csv"):
+        runs.add((csv.parent.parent.name, csv.parent.name.removeprefix("sweeps_")))
+    return sorted(runs)
+
+
+def gpu_sweep_csvs(wildcards) -> list[str]:
+    run_dir = Path("results") / wildcards.machine / f"sweeps_{wildcards.version}"
+    return sorted(str(p) for p in run_dir.glob("sweep_*_D*.csv"))
+
+
+def gpus_of_sweep(wildcards) -> int:
+    return int(wildcards.devices)
+
+
+def sweep_run_dir(wildcards, input) -> str:
+    return str(Path(input.sweeps[0]).parent)
+
+
 def final_outputs() -> list[str]:
     """Every result a reader looks at, so deleting any one of them reruns its job and what follows."""
     model = [f"{RESULTS}/model/pretrain_log.csv", f"{RESULTS}/model/router_structure.json"]
@@ -84,6 +105,7 @@ def final_outputs() -> list[str]:
         *[f"{RESULTS}/finetune/{v}_log.csv" for v in VARIANTS if v != "raw"],
         *[f"{RESULTS}/evaluate/{v}.json" for v in VARIANTS],
         f"{RESULTS}/bench/ep_cpu.csv",
+        *[f"results/{m}/sweeps_{v}/speedups.csv" for m, v in committed_sweep_runs()],
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",
         f"{RESULTS}/tables/placement_summary.csv",

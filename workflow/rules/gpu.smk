@@ -1,0 +1,57 @@
+# GPU latency sweeps (issue: real baselines). On a GPU machine, ask for a CSV to measure it, e.g.
+#   snakemake --cores all results/my-gpus/sweeps_v3/sweep_prefill_D2.csv
+# On any machine, `rule all` redraws the figures of every committed sweep run (no GPU needed).
+
+
+rule run_gpu_sweep:
+    output:
+        csv="results/{machine}/sweeps_{version}/sweep_{kind}_D{devices}.csv",
+    params:
+        shapes="olmoe qwen deepseek",
+        methods="occult occult-nd2 occult-nd1 naive megablocks tutel hf fsdp",
+    log:
+        "logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.log",
+    benchmark:
+        "benchmarks/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.tsv"
+    wildcard_constraints:
+        kind="prefill|decode|train",
+        devices="[0-9]+",
+    conda:
+        "../../environment.yml"
+    threads: 8
+    resources:
+        gpus=gpus_of_sweep,
+        mem_mb=64000,
+        runtime=60,
+    shell:
+        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
+        " torchrun --nproc_per_node={wildcards.devices} -m occult.sweep --kind {wildcards.kind}"
+        " --shapes {params.shapes} --methods {params.methods} --repeats 20 --warmup 5"
+        " --out {output.csv} > {log} 2>&1"
+
+
+rule plot_gpu_sweeps:
+    input:
+        sweeps=gpu_sweep_csvs,
+    output:
+        speedups="results/{machine}/sweeps_{version}/speedups.csv",
+        figures=report(
+            directory("figures/{machine}/sweeps_{version}"),
+            patterns=["{name}.png"],
+            category="GPU latency",
+            caption="../report/gpu_sweeps.rst",
+        ),
+    params:
+        run_dir=sweep_run_dir,
+    log:
+        "logs/plot_gpu_sweeps/{machine}_{version}.log",
+    benchmark:
+        "benchmarks/plot_gpu_sweeps/{machine}_{version}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python -m occult.gpu_report --run-dir {params.run_dir} --figures {output.figures} > {log} 2>&1"
