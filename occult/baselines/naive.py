@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from occult.baselines import ExpertWeights, Method, MoEShape, contiguous_experts, import_error_text, world_and_rank
+from occult.ep.layer import AllToAll
 
 
 def has_grouped_mm() -> bool:
@@ -59,25 +60,6 @@ def grouped_swiglu(
         parts.append((F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]) @ w_down_EDF[expert].t())
         start += rows
     return torch.cat(parts)
-
-
-class AllToAllRows(torch.autograd.Function):
-    """`all_to_all_single` of rows with uneven splits; backward = the transposed all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, recv_splits: list[int], send_splits: list[int], group):  # type: ignore[override]
-        ctx.recv_splits, ctx.send_splits, ctx.group = recv_splits, send_splits, group
-        return exchange_rows(x, recv_splits, send_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return exchange_rows(grad.contiguous(), ctx.send_splits, ctx.recv_splits, ctx.group), None, None, None
-
-
-def exchange_rows(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-    return out
 
 
 class NaiveEP(Method):
@@ -121,7 +103,7 @@ class NaiveEP(Method):
         else:
             send_splits = [sum(row) for row in send_host]
             recv_splits = [sum(row) for row in recv_host]
-            x_RD = AllToAllRows.apply(x_PD, recv_splits, send_splits, self.group)
+            x_RD = AllToAll.apply(x_PD, recv_splits, send_splits, self.group)
             # Received rows come in (source rank, local expert) blocks: regroup them by expert.
             experts_pattern = torch.arange(self.experts_per_rank, device=x_TD.device).repeat(self.world)
             expert_R = torch.repeat_interleave(experts_pattern, recv_DE.reshape(-1), output_size=x_RD.shape[0])
@@ -130,7 +112,7 @@ class NaiveEP(Method):
             inverse_R[perm_R] = torch.arange(perm_R.numel(), device=perm_R.device)
             per_expert_host = [sum(col) for col in zip(*recv_host)]
             y_sorted = grouped_swiglu(x_RD[perm_R], recv_DE.sum(0), per_expert_host, self.w_gate_up, self.w_down)
-            y_PD = AllToAllRows.apply(y_sorted[inverse_R], send_splits, recv_splits, self.group)
+            y_PD = AllToAll.apply(y_sorted[inverse_R], send_splits, recv_splits, self.group)
         contrib_PD = y_PD.float() * weights_TK.reshape(-1)[order_P].float()[:, None]
         out = torch.zeros(num_tokens, x_TD.shape[1], dtype=torch.float32, device=x_TD.device)
         return out.index_add(0, token_P, contrib_PD).to(x_TD.dtype)

@@ -120,7 +120,7 @@ class EPStats:
         return {**asdict(self), "mean_devices_per_token": self.mean_devices_per_token}
 
 
-class _AllToAll(torch.autograd.Function):
+class AllToAll(torch.autograd.Function):
     """`all_to_all_single` with uneven splits; its backward is the transposed all-to-all."""
 
     @staticmethod
@@ -312,7 +312,7 @@ def ep_moe(
     y_RD = ops.grouped_down_reduce(
         h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_local, x_RD.shape[0], **table
     )
-    z_SD = y_RD if world == 1 else _AllToAll.apply(y_RD, send_rows, recv_rows, group)
+    z_SD = y_RD if world == 1 else AllToAll.apply(y_RD, send_rows, recv_rows, group)
     y_TD = ops.combine(z_SD, plan.brim0_TJ)
 
     if shared_expert is not None:
