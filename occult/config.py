@@ -73,6 +73,7 @@ class PlacementConfig:
     devices: tuple[int, ...]
     methods: tuple[str, ...]
     swap_rounds: int
+    study_synthetic: tuple[str, ...]
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,10 @@ def profile_dir(wildcards, input) -> str:
     return str(Path(input.profile).parent)
 
 
+def profile_dir_of_traces(wildcards, input) -> str:
+    return str(Path(input.heldout).parent)
+
+
 def placement_dir(wildcards, input) -> str:
     return str(Path(input.placements[0]).parent)
 
@@ -102,6 +106,7 @@ def final_outputs() -> list[str]:
         f"{RESULTS}/profile/profile.json",
         *PLACEMENT_FILES,
         f"{RESULTS}/placement/expected_ct.csv",
+        f"{RESULTS}/placement/study.csv",
         *[f"{RESULTS}/finetune/{v}_log.csv" for v in VARIANTS if v != "raw"],
         *[f"{RESULTS}/evaluate/{v}.json" for v in VARIANTS],
         f"{RESULTS}/bench/ep_cpu.csv",

@@ -24,3 +24,33 @@ rule place_experts:
     shell:
         "occult place --config {params.config} --profile {params.profile} --out {params.outdir}"
         " --table {output.table} 2>&1 | tee {log}"
+
+
+rule study_placement:
+    input:
+        calibration=rules.profile_coactivation.output.calibration,
+        heldout=rules.profile_coactivation.output.heldout,
+    output:
+        study=report(f"{RESULTS}/placement/study.csv", category="Placement", caption="../report/placement_study.rst"),
+        sensitivity=f"{RESULTS}/placement/study_sensitivity.csv",
+    params:
+        config=RESOLVED_CONFIG,
+        settings=settings("placement", "seed"),
+        profile=profile_dir_of_traces,
+        synthetic=" ".join(CFG.placement.study_synthetic),
+        seed=CFG.seed,
+        rounds=CFG.placement.swap_rounds,
+    log:
+        f"logs/study_placement/{RUN}.log",
+    benchmark:
+        f"benchmarks/study_placement/{RUN}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=30,
+    shell:
+        "python -m occult.placement_study --profile-dir {params.profile} --out {output.study}"
+        " --sensitivity-out {output.sensitivity} --synthetic {params.synthetic} --seed {params.seed}"
+        " --swap-rounds {params.rounds} 2>&1 | tee {log}"
