@@ -185,12 +185,38 @@ def plot_placement(summary: pd.DataFrame, path: Path) -> None:
     _savefig(fig, path)
 
 
+def plot_placement_study(study: pd.DataFrame, path: Path) -> None:
+    """Per trace: held-out E[C_T] (top) and max/mean device load (bottom) against D, per method."""
+    mean = study[(study["layer"].astype(str) == "mean") & (study["status"] == "ok")]
+    traces = sorted(set(mean["trace"]))
+    fig, axes = plt.subplots(2, len(traces), figsize=(4 * len(traces), 6.4), squeeze=False)
+    for j, trace in enumerate(traces):
+        part = mean[mean["trace"] == trace]
+        for method, g in part.groupby("method"):
+            g = g.sort_values("D")
+            axes[0][j].plot(g["D"], g["expected_ct_heldout"], "o-", ms=3, label=method)
+            axes[1][j].plot(g["D"], g["max_device_load_over_mean"], "o-", ms=3, label=method)
+        bounds = part.drop_duplicates("D").sort_values("D")
+        axes[0][j].plot(bounds["D"], bounds["lower_bound"], "k:", lw=1)
+        axes[0][j].plot(bounds["D"], bounds["upper_bound"], "k--", lw=1)
+        axes[0][j].set_title(trace, fontsize=9)
+        for ax in axes[:, j]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("devices D", fontsize=8)
+        axes[0][j].set_ylabel("held-out E[C_T]", fontsize=8)
+        axes[1][j].set_ylabel("max / mean device load", fontsize=8)
+    axes[0][0].legend(fontsize=6)
+    _savefig(fig, path)
+
+
 def make_report(cfg: Config, results_dir: Path, figures_dir: Path, profile_npz: Path | None = None) -> None:
     meta = provenance(cfg.hash(), cfg.seed, stage="report")
     table = pd.read_csv(results_dir / "placement" / "expected_ct.csv")
     summary = placement_summary(table)
     write_csv(results_dir / "tables" / "placement_summary.csv", summary, meta)
     plot_placement(summary, figures_dir / "expected_ct_vs_devices.png")
+    plot_placement_study(pd.read_csv(results_dir / "placement" / "study.csv"),
+                         figures_dir / "placement_study.png")
 
     bench = bench_by_case(pd.read_csv(results_dir / "bench" / "ep_cpu.csv"))
     ablation = ct_ablation(bench)

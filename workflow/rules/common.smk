@@ -119,4 +119,5 @@ def final_outputs() -> list[str]:
         f"{FIGURES}/accuracy.png",
         f"{FIGURES}/coactivation_heatmaps.png",
         f"{FIGURES}/expected_ct_vs_devices.png",
+        f"{FIGURES}/placement_study.png",
     ]

@@ -4,6 +4,7 @@ rule make_report:
         structure=rules.pretrain_model.output.structure if CFG.model.source == "scratch" else [],
         profile=rules.profile_coactivation.output.profile,
         placement_table=rules.place_experts.output.table,
+        placement_study=rules.study_placement.output.study,
         placements=PLACEMENT_FILES,
         bench=rules.bench_layer.output.csv,
         scores=expand(f"{RESULTS}/evaluate/{{variant}}.json", variant=VARIANTS),
@@ -16,6 +17,7 @@ rule make_report:
         fig_accuracy=report(f"{FIGURES}/accuracy.png", category="Figures", caption="../report/accuracy.rst"),
         fig_heatmaps=report(f"{FIGURES}/coactivation_heatmaps.png", category="Figures", caption="../report/heatmaps.rst"),
         fig_placement=report(f"{FIGURES}/expected_ct_vs_devices.png", category="Figures", caption="../report/placement.rst"),
+        fig_study=report(f"{FIGURES}/placement_study.png", category="Figures", caption="../report/placement_study.rst"),
     params:
         config=RESOLVED_CONFIG,
         results=results_dir,
