@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -120,7 +121,7 @@ def load_trace(path: Path, shape: LayerShape) -> tuple[list[int], np.ndarray]:
             if missing:
                 raise BenchInputError(f"{path}: missing arrays {sorted(missing)}")
             ids, layers = npz["ids"], npz["layers"]
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as err:
         if isinstance(err, BenchInputError):
             raise
         raise BenchInputError(f"{path}: not a readable .npz ({err})") from None

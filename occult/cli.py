@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import zipfile
 from pathlib import Path
 
 from occult.config import ConfigError, load_config
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+                        stream=sys.stderr, force=True)
     try:
         cfg = load_config(args.config)
     except ConfigError as err:
@@ -143,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("stage %s, run %s, config %s", args.stage, cfg.run, cfg.hash())
     try:
         args.func(args, cfg)
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except (ConfigError, FileNotFoundError, ValueError, zipfile.BadZipFile, EOFError) as err:
+        # bad or truncated inputs: one line, no traceback (a truncated .npz raises BadZipFile/EOFError)
         print(f"occult {args.stage}: error: {err}", file=sys.stderr)
         return 1
     return 0

@@ -1,6 +1,7 @@
 """The whole DAG on a micro config, in a fresh directory: every stage runs and connects; a second
 run does nothing; deleting one result reruns exactly its job and the report."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,8 @@ def snakemake(workdir: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(workdir), "--cores", "2",
            "--configfile", str(REPO / "config" / "config.yaml"), str(REPO / "tests" / "data" / "micro.yaml"),
            *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
 
 
 @pytest.mark.slow

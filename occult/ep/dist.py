@@ -71,27 +71,40 @@ def _rank_main(
         os._exit(1)
 
 
-def _failure_message(rank: int, payload: str, results, world_size: int) -> str:
+def _failure_message(rank: int, payload: str, results, world_size: int, processes: list,
+                     finished: dict) -> str:
     """All errors reported within a short grace period, root causes first.
 
-    When one rank raises, its peers soon fail too with transport errors ("Connection reset by
-    peer"); whichever reaches the parent first, the message leads with the original error.
+    When one rank raises or dies, its peers soon fail too with transport errors ("Connection
+    reset by peer"); whichever reaches the parent first, the message leads with the original
+    error, and a rank that exited without any report is named with its exit code.
     """
     errors = {rank: payload}
+    reported = set(finished) | {rank}
     grace = time.monotonic() + FAILURE_GRACE_S
-    while time.monotonic() < grace and len(errors) < world_size:
+    while time.monotonic() < grace and len(reported) < world_size:
         try:
             other, status, text = results.get(timeout=POLL_S)
         except queue.Empty:
             continue
+        reported.add(other)
         if status == "error":
             errors[other] = text
+    for other, proc in enumerate(processes):
+        proc.join(0.05)
+        if other not in reported and proc.exitcode not in (None, 0):
+            errors[other] = f"died (exit code {proc.exitcode}) without a report\n"
 
     def is_consequence(text: str) -> bool:
         return any(marker in text for marker in ("gloo/transport", "Connection reset", "Connection closed"))
 
+    def line(r: int) -> str:
+        text = errors[r]
+        return f"rank {r} of {world_size} {text}" if text.startswith("died") else \
+            f"rank {r} of {world_size} failed:\n{text}"
+
     order = sorted(errors, key=lambda r: (is_consequence(errors[r]), r))
-    parts = [f"rank {r} of {world_size} failed:\n{errors[r]}" for r in order]
+    parts = [line(r) for r in order]
     return "\n".join(parts)
 
 
@@ -164,7 +177,7 @@ def run_ranks(
                         )
                     continue
             if status == "error":
-                raise RankFailure(_failure_message(rank, payload, results, world_size))
+                raise RankFailure(_failure_message(rank, payload, results, world_size, processes, values))
             values[rank] = pickle.loads(payload)
         for proc in processes:
             proc.join(KILL_GRACE_S)
