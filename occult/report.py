@@ -211,6 +211,10 @@ def plot_placement_study(study: pd.DataFrame, path: Path) -> None:
 
 def make_report(cfg: Config, results_dir: Path, figures_dir: Path, profile_npz: Path | None = None) -> None:
     meta = provenance(cfg.hash(), cfg.seed, stage="report")
+    with atomic_path(results_dir / "config.yaml") as tmp:
+        import yaml
+
+        tmp.write_text(f"# resolved configuration, hash {cfg.hash()}\n" + yaml.safe_dump(cfg.raw, sort_keys=False))
     table = pd.read_csv(results_dir / "placement" / "expected_ct.csv")
     summary = placement_summary(table)
     write_csv(results_dir / "tables" / "placement_summary.csv", summary, meta)

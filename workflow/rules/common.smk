@@ -111,6 +111,7 @@ def final_outputs() -> list[str]:
         *[f"{RESULTS}/evaluate/{v}.json" for v in VARIANTS],
         f"{RESULTS}/bench/ep_cpu.csv",
         *[f"results/{m}/sweeps_{v}/speedups.csv" for m, v in committed_sweep_runs()],
+        f"{RESULTS}/config.yaml",
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",
         f"{RESULTS}/tables/placement_summary.csv",

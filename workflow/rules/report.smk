@@ -9,6 +9,7 @@ rule make_report:
         bench=rules.bench_layer.output.csv,
         scores=expand(f"{RESULTS}/evaluate/{{variant}}.json", variant=VARIANTS),
     output:
+        config=report(f"{RESULTS}/config.yaml", category="Configuration", caption="../report/config.rst"),
         ablation=report(f"{RESULTS}/tables/ct_ablation.csv", category="Tables", caption="../report/ct_ablation.rst"),
         accuracy=report(f"{RESULTS}/tables/accuracy.csv", category="Tables", caption="../report/accuracy.rst"),
         placement=report(f"{RESULTS}/tables/placement_summary.csv", category="Tables", caption="../report/placement.rst"),
