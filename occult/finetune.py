@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from occult.config import Config, parse_variant
-from occult.provenance import atomic_path, provenance, seed_everything, write_csv, write_json
+from occult.provenance import atomic_path, provenance, seed_everything, write_csv
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ clear line (no traceback) naming the file when an input is missing. The subcomma
 
 from __future__ import annotations
 
-import logging
 import re
 import subprocess
 import sys
@@ -30,23 +29,6 @@ STAGE_PATHS = {
     "bench": ["--profile", "--placements", "--out"],
     "report": ["--results", "--figures"],
 }
-
-
-@pytest.fixture(autouse=True)
-def restore_logging_handlers():
-    """Drop logging handlers a test added (`occult.cli.main` calls logging.basicConfig, transformers
-    adds its own on first use): they hold the stderr capture of that one test, closed afterwards."""
-    def handlers() -> dict[str, list]:
-        loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
-        return {logger.name: list(logger.handlers) for logger in loggers}
-
-    before = handlers()
-    yield
-    for name, now in handlers().items():
-        logger = logging.getLogger() if name == "root" else logging.getLogger(name)
-        for handler in now:
-            if handler not in before.get(name, []):
-                logger.removeHandler(handler)
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import multiprocessing
 import os
 import re
@@ -32,23 +31,6 @@ VENV_BIN = Path(sys.executable).parent
 SNAKEMAKE = shutil.which("snakemake") or str(VENV_BIN / "snakemake")
 PROGRESS_BAR = re.compile(r"\d+%\|")
 PROVENANCE_FIELDS = {"commit", "config_hash", "seed", "versions", "hardware"}
-
-
-@pytest.fixture(autouse=True)
-def restore_logging_handlers():
-    """Drop logging handlers a test added (`occult.cli.main` calls logging.basicConfig, transformers
-    adds its own on first use): they hold the stderr capture of that one test, closed afterwards."""
-    def handlers() -> dict[str, list]:
-        loggers = [logging.getLogger(), *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict))]
-        return {logger.name: list(logger.handlers) for logger in loggers}
-
-    before = handlers()
-    yield
-    for name, now in handlers().items():
-        logger = logging.getLogger() if name == "root" else logging.getLogger(name)
-        for handler in now:
-            if handler not in before.get(name, []):
-                logger.removeHandler(handler)
 
 
 def error_lines(stderr: str) -> list[str]:
