@@ -123,12 +123,25 @@ def load_checkpoint(path: str | Path, *, dtype: str | torch.dtype = "auto", devi
             f"checkpoint {path}: model_type {hf_cfg.model_type!r} is not a Mixture-of-Experts "
             "(no num_experts / n_routed_experts and num_experts_per_tok)"
         )
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()   # its load report would precede our one-line error; we check `info`
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, dtype=dtype, output_loading_info=True
         )
     except Exception as err:
         raise CheckpointError(f"checkpoint {path}: weights cannot be loaded ({type(err).__name__}: {err})") from err
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    mismatched = info.get("mismatched_keys", [])
+    if mismatched:
+        first = sorted(mismatched)[0]
+        raise CheckpointError(
+            f"checkpoint {path}: {len(mismatched)} weights do not match the shapes config.json declares "
+            f"(first: {first[0] if isinstance(first, tuple) else first})"
+        )
     missing = [k for k in info.get("missing_keys", []) if k not in _tied_keys(model)]
     if missing:
         raise CheckpointError(
