@@ -1,4 +1,5 @@
-"""`use_ep` on a tiny random OLMoE: logits and expert-weight gradients equal the unpatched model."""
+"""`use_ep` on tiny random OLMoE, Qwen2-MoE and DeepSeek-V2 models: logits (and, for OLMoE,
+expert-weight gradients) equal the unpatched model."""
 
 from __future__ import annotations
 
@@ -92,3 +93,45 @@ def test_bad_placements_are_named(reference):
         use_ep(copy.deepcopy(reference[0]), {0: [0] * 7, 1: [0] * 8})
     with pytest.raises(ValueError, match="device_of_expert"):
         placements_from_json({"layers": [0]})
+
+
+def _other_family_logits(rank: int, world: int, arch: str, mode: str) -> float:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from test_models import tiny_hf_model
+
+    model = tiny_hf_model(arch, VOCAB).float()
+    modules = moe_experts_modules(model)
+    with torch.no_grad():
+        for module in modules.values():            # experts strong enough to move the logits
+            module.gate_up_proj.normal_(0, 0.3)
+            module.down_proj.normal_(0, 0.3)
+    input_ids = torch.randint(0, VOCAB, (world, 2, 9), generator=torch.Generator().manual_seed(3))[rank]
+    with torch.no_grad():
+        want = model(input_ids=input_ids).logits
+    experts = next(iter(modules.values())).gate_up_proj.shape[0]
+    placements = {layer: torch.arange(experts) % world for layer in modules}
+    patched = use_ep(copy.deepcopy(model), placements, mode=mode)
+    with torch.no_grad():
+        got = patched(input_ids=input_ids).logits
+        silenced = copy.deepcopy(model)
+        for module in moe_experts_modules(silenced).values():
+            module.down_proj.zero_()
+        expert_effect = float((silenced(input_ids=input_ids).logits - want).abs().max())
+    local_counts = {m.gate_up_proj.shape[0] for m in moe_experts_modules(patched).values()}
+    return {"err": float((got - want).abs().max()), "expert_effect": expert_effect,
+            "local_experts": sorted(local_counts), "experts": experts,
+            "implementation": patched.config._experts_implementation}
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize("mode", ["dedup", "per_expert"])
+def test_qwen2_moe_and_deepseek_v2_match_unpatched_on_two_ranks(arch, mode):
+    """Shared experts and dense first layers stay outside EP; the routed experts go through it."""
+    for report in run_ranks(_other_family_logits, WORLD, arch, mode, timeout_s=60):
+        assert report["implementation"] == IMPLEMENTATION_NAME
+        assert report["local_experts"] == [report["experts"] // WORLD]      # really sharded
+        assert report["expert_effect"] > 0.05                               # the experts matter
+        assert report["err"] < 1e-5, f"{arch} {mode}: logits off by {report['err']:.2e}"
