@@ -13,6 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from occult.config import Config, parse_variant
 from occult.provenance import provenance, seed_everything, write_json
 
@@ -32,7 +34,7 @@ def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
 
     variant = parse_variant(variant_name)
     seed_everything(cfg.seed)
-    model, tokenizer = load_checkpoint(model_dir)
+    model, tokenizer = load_checkpoint(model_dir, device="cuda" if torch.cuda.is_available() else "cpu")
     model.eval()
     set_routing(model, routing_for_variant(cfg, variant, placements_dir, profile_dir))
     tasks = list(cfg.data.eval_tasks)

@@ -81,7 +81,8 @@ def finetune(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
     variant = parse_variant(variant_name)
     ft = cfg.finetune
     seed_everything(cfg.seed)
-    model, tokenizer = load_checkpoint(model_dir)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_checkpoint(model_dir, device=device)
     routing = routing_for_variant(cfg, variant, placements_dir, profile_dir)
     set_routing(model, routing)
     rows: list[dict] = []
@@ -101,7 +102,8 @@ def finetune(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
             for group in opt.param_groups:
                 group["lr"] = lr
             attention = (labels[batch] != -100) | (ids[batch] != tokenizer.pad_token_id)
-            out = model(input_ids=ids[batch], attention_mask=attention.long(), labels=labels[batch])
+            out = model(input_ids=ids[batch].to(device), attention_mask=attention.long().to(device),
+                        labels=labels[batch].to(device))
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -120,8 +120,9 @@ def heldout_nll(model: nn.Module, windows: TokenWindows, batch_rows: int = 16) -
     model.eval()
     total, count = 0.0, 0
     for start in range(0, len(windows.input_ids_BS), batch_rows):
-        ids_BS = windows.input_ids_BS[start:start + batch_rows]
-        mask_BS = windows.attention_mask_BS[start:start + batch_rows]
+        device = next(model.parameters()).device
+        ids_BS = windows.input_ids_BS[start:start + batch_rows].to(device)
+        mask_BS = windows.attention_mask_BS[start:start + batch_rows].to(device)
         logits_BSV = model(input_ids=ids_BS, attention_mask=mask_BS, use_cache=False).logits
         valid = (mask_BS[:, 1:] * mask_BS[:, :-1]).bool()
         nll = F.cross_entropy(logits_BSV[:, :-1][valid].float(), ids_BS[:, 1:][valid], reduction="sum")
@@ -226,7 +227,7 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
         lr = lr_at(step, train_cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        ids_BS = sampler.next_batch()
+        ids_BS = sampler.next_batch().to(next(model.parameters()).device)
         out = model(input_ids=ids_BS, labels=ids_BS, output_router_logits=use_aux, use_cache=False)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
@@ -282,6 +283,7 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
         seed=cfg.seed,
         router_aux_loss=train_cfg.router_aux_loss,
     )
+    model.to("cuda" if torch.cuda.is_available() else "cpu")   # CPU results are unchanged by this line
     prep_s = time.perf_counter() - wall_start
     rows = train(model, sampler, heldout, train_cfg, eval_every=max(1, train_cfg.steps // EVAL_POINTS))
 
