@@ -234,13 +234,11 @@ def make_report(cfg: Config, results_dir: Path, figures_dir: Path, profile_npz: 
     plot_accuracy(acc, figures_dir / "accuracy.png")
 
     from occult.placement import load_placement_layers
-
-    profile_npz = profile_npz or Path("work") / cfg.run / "profile" / "profile.npz"
     from occult.profiling import load_profile
+    from occult.variants import placement_file
 
-    prof = load_profile(profile_npz)
-    layers, placement_LE = load_placement_layers(
-        results_dir / "placement" / f"D{cfg.finetune.devices}_{cfg.finetune.placement_method}.json")
+    prof = load_profile(profile_npz or Path("work") / cfg.run / "profile" / "profile.npz")
+    layers, placement_LE = load_placement_layers(placement_file(cfg, results_dir / "placement"))
     plot_heatmaps(prof.coactivation[0], np.asarray(placement_LE[0]), int(layers[0]),
                   figures_dir / "coactivation_heatmaps.png")
     log.info("report written to %s and %s", results_dir / "tables", figures_dir)
