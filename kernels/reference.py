@@ -5,7 +5,8 @@ Layout shared by the references, the Triton kernels and `occult.ep`:
 * `x_RD`       rows received by an expert rank: one per (token, device) in `dedup` mode, one
                per (token, expert) in `per_expert` mode. R rows of width D (hidden size).
 * pairs        the (row, local expert) pairs the rows carry, sorted by expert (BRIM_1):
-  `pair_row_M` int64 [M]: the received row of pair m;
+  `pair_row_M` int64 [M]: the received row of pair m (pairs past `expert_offsets[-1]` are
+               padding of a static-shape dispatch: ignored, their `h` rows are unspecified);
   `pair_gate_M` [M]: its gate weight;
   `expert_offsets` int64 [E+1]: pairs of local expert e are `offsets[e]:offsets[e+1]` (0 = first).
 * `w_gate_up_E2FD` [E, 2F, D]: rows 0..F-1 the gate projection, F..2F-1 the up projection
@@ -33,6 +34,12 @@ def expert_of_pairs(expert_offsets: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
 
 
+def _pad_rows(rows: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """`rows` [m, n] followed by zero rows up to `num_pairs` (the padding pairs contribute 0)."""
+    missing = num_pairs - rows.shape[0]
+    return torch.cat([rows, rows.new_zeros(missing, rows.shape[1])]) if missing > 0 else rows
+
+
 def grouped_swiglu_ref(
     x_RD: torch.Tensor,
     pair_row_M: torch.Tensor,
@@ -50,7 +57,7 @@ def grouped_swiglu_ref(
         gate_up = xs @ w_gate_up_E2FD[e].float().t()
         parts.append(F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:])
     h = torch.cat(parts) if parts else x_RD.new_zeros(0, ffn, dtype=torch.float32)
-    return h.to(x_RD.dtype)
+    return _pad_rows(h, pair_row_M.shape[0]).to(x_RD.dtype)
 
 
 def grouped_down_reduce_ref(
@@ -68,7 +75,7 @@ def grouped_down_reduce_ref(
     for e in range(num_experts):
         parts.append(h_MF[offsets[e] : offsets[e + 1]].float() @ w_down_EDF[e].float().t())
     y_MD = torch.cat(parts) if parts else h_MF.new_zeros(0, hidden, dtype=torch.float32)
-    y_MD = y_MD * pair_gate_M.float()[:, None]
+    y_MD = _pad_rows(y_MD, pair_row_M.shape[0]) * pair_gate_M.float()[:, None]
     out = torch.zeros(num_rows, hidden, dtype=torch.float32, device=h_MF.device)
     out = out.index_add(0, pair_row_M, y_MD)
     return out.to(h_MF.dtype)

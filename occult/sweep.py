@@ -78,7 +78,15 @@ DEFAULT_SIZES = {
     "train": (1, 2, 4, 8, 16),
 }
 DEFAULT_METHODS = ("occult", "occult-nd2", "occult-nd1", "megablocks", "tutel", "naive", "hf", "fsdp", "deepspeed")
-OCCULT_RE = re.compile(r"^occult(?:-nd(?P<nd>[1-9][0-9]*))?$")
+OCCULT_RE = re.compile(r"^occult(?:-nd(?P<nd>[1-9][0-9]*))?(?P<options>(?:-(?:pe|static|graph|trivial|compute))*)$")
+OCCULT_OPTIONS = {
+    "pe": "per_expert dispatch (one row per (token, expert)) through the same kernels",
+    "static": "static-shape dedup plan (no host sync; C = T rows per destination)",
+    "graph": "the static plan replayed from a CUDA graph (forward: GraphedForward; train: make_graphed_callables)",
+    "trivial": "contiguous placement instead of greedy_occult",
+    "compute": "expert compute alone: each GPU's received pairs, dispatched once outside the timing",
+}
+ROUTINGS = ("synthetic", "uniform", "trace")
 REL_TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 VERSION_PACKAGES = ("torch", "triton", "transformers", "megablocks", "grouped_gemm", "stanford-stk", "tutel", "deepspeed")
@@ -88,7 +96,8 @@ REF_CHUNK_TOKENS = 16
 COLUMNS = (
     "machine", "commit", "command", "kind", "shape", "method", "D", "tokens_per_gpu", "batch", "seq_len",
     "dtype", "median_ms", "p10_ms", "p90_ms", "peak_mem_gib", "bytes_sent", "mean_devices_per_token",
-    "max_rel_err", "status", "repeats", "warmup", "timer", "num_experts", "top_k", "hidden", "ffn",
+    "max_rel_err", "status", "routing", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms",
+    "repeats", "warmup", "timer", "num_experts", "top_k", "hidden", "ffn",
     "shared_ffn", *(f"version_{name.replace('-', '_')}" for name in VERSION_PACKAGES),
 )
 
@@ -118,6 +127,8 @@ class SweepSettings:
     occult_backend: str = "auto"
     include_shared: bool = True
     command: str = ""
+    routing: str = "synthetic"
+    trace: str = ""
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -129,7 +140,10 @@ class SweepSettings:
                 raise SweepError(f"shapes: {err}") from None
         for name in self.methods:
             if not OCCULT_RE.match(name) and name not in METHOD_CLASSES:
-                raise SweepError(f"methods: {name!r} is not occult, occult-nd<N> or one of {sorted(METHOD_CLASSES)}")
+                raise SweepError(f"methods: {name!r} is not occult[-nd<N>][-{'|-'.join(OCCULT_OPTIONS)}] "
+                                 f"or one of {sorted(METHOD_CLASSES)}")
+            if routing_key(name) is not None and "trivial" in occult_options(name):
+                raise SweepError(f"methods: {name!r}: pruning is defined on the Occult placement, not -trivial")
         if self.world < 1:
             raise SweepError(f"D: must be at least 1, got {self.world}")
         if not self.sizes or min(self.sizes) < 1:
@@ -137,6 +151,10 @@ class SweepSettings:
         for field in ("repeats", "input_sets", "check_tokens", "seq_len"):
             if getattr(self, field) < 1:
                 raise SweepError(f"{field}: must be at least 1, got {getattr(self, field)}")
+        if self.routing not in ROUTINGS:
+            raise SweepError(f"routing: {self.routing!r} is not one of {ROUTINGS}")
+        if self.routing == "trace" and not Path(self.trace).is_file():
+            raise SweepError(f"trace: routing=trace needs a routing_*.npz file, got {self.trace!r}")
         if self.warmup < 0:
             raise SweepError(f"warmup: must be >= 0, got {self.warmup}")
         if self.dtype not in DTYPES:
@@ -158,14 +176,26 @@ class SweepSettings:
 
 
 class OccultEP(Method):
-    """Occult's EP layer (`ep_moe`, dedup dispatch) on a collaboration-aware placement."""
+    """Occult's EP layer (`ep_moe`) with the options of `OCCULT_OPTIONS` (default: exact dedup
+    dispatch, eager, on the collaboration-aware placement)."""
 
     name = "occult"
 
-    def __init__(self, device_of_expert_E: torch.Tensor | None, backend: str, mode: str = "dedup") -> None:
+    def __init__(self, device_of_expert_E: torch.Tensor | None, backend: str, options: Sequence[str] = ()) -> None:
+        unknown = set(options) - set(OCCULT_OPTIONS)
+        if unknown:
+            raise SweepError(f"methods: unknown occult option(s) {sorted(unknown)}")
+        if "pe" in options and ({"static", "graph"} & set(options)):
+            raise SweepError("methods: -pe (per_expert) has no static-shape plan; drop -static/-graph")
         self.device_of_expert_E = device_of_expert_E
         self.backend = backend
-        self.mode = mode
+        self.options = frozenset(options)
+        self.mode = "per_expert" if "pe" in self.options else "dedup"
+        self.static = bool({"static", "graph"} & self.options)
+        self.graphed = "graph" in self.options
+        self.compute_only = "compute" in self.options
+        self.checks_output = not self.compute_only
+        self.phase_events: list[tuple[torch.cuda.Event, ...]] | None = None
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -183,41 +213,114 @@ class OccultEP(Method):
 
         if self.device_of_expert_E is None:
             raise RuntimeError("occult: no placement was computed for this shape")
+        if self.graphed and device.type != "cuda":
+            raise RuntimeError("occult -graph: CUDA graphs need a GPU")
         self.group = group
         self.world, self.rank = world_and_rank(group)
         self.placement = self.device_of_expert_E.detach().cpu().long()
         self.w_gate_up, self.w_down = weights.local(experts_of_device(self.placement, self.rank), dtype, device)
         self.ops = get_backend(self.backend)
+        self._graphs: dict[tuple, Any] = {}
+        self._received: dict[tuple, Any] = {}
 
     def expert_parameters(self) -> list[torch.Tensor]:
         return [self.w_gate_up, self.w_down]
 
+    def teardown(self) -> None:
+        self._graphs, self._received = {}, {}
+
+    def _layer(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, phase=None,
+               stats=None) -> torch.Tensor:
+        from occult.ep.layer import ep_moe
+
+        capacity = x_TD.shape[0] if self.static else None
+        return ep_moe(x_TD, ids_TK, weights_TK, self.placement, self.w_gate_up, self.w_down,
+                      group=self.group, mode=self.mode, backend=self.ops, static_capacity=capacity,
+                      phase=phase, stats=stats)
+
+    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if self.compute_only:
+            return self._compute_only(x_TD, ids_TK, weights_TK)
+        if self.graphed:
+            return self._graphed(x_TD, ids_TK, weights_TK)
+        if self.phase_events is None or torch.is_grad_enabled():
+            return self._layer(x_TD, ids_TK, weights_TK)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        events[0].record()
+        marks = iter(events[1:])
+        y = self._layer(x_TD, ids_TK, weights_TK, phase=lambda _name: next(marks).record())
+        self.phase_events.append(tuple(events))
+        return y
+
+    def _graphed(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """Forward: one captured graph per input shape. Train: make_graphed_callables (fwd + bwd)."""
+        train = torch.is_grad_enabled() and (x_TD.requires_grad or weights_TK.requires_grad)
+        key = (train, tuple(x_TD.shape), tuple(ids_TK.shape))
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._graphs.clear()                     # one size at a time: free the last pool
+            if train:
+                layer = _StaticLayer(self)
+                graph = torch.cuda.make_graphed_callables(
+                    layer, (x_TD.detach().clone().requires_grad_(), ids_TK.clone(),
+                            weights_TK.detach().clone().requires_grad_()))
+            else:
+                from occult.ep.graph import GraphedForward
+
+                graph = GraphedForward(self._layer, x_TD, ids_TK, weights_TK)
+            self._graphs[key] = graph
+        return graph(x_TD, ids_TK, weights_TK)
+
+    def _compute_only(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        """The expert kernels on this GPU's received pairs; the dispatch runs once per input set."""
+        from occult.ep.layer import dispatch_to_experts, expert_compute, placement_tables
+
+        key = (x_TD.data_ptr(), tuple(x_TD.shape), ids_TK.data_ptr())
+        received = self._received.get(key)
+        if received is None:
+            tables = placement_tables(self.placement, self.world, self.rank, x_TD.device)
+            with torch.no_grad():
+                received = dispatch_to_experts(x_TD, ids_TK, weights_TK, tables, self.group, "dedup", self.ops,
+                                               None, self.world, self.rank)
+            received.x_RD = received.x_RD.detach().clone().requires_grad_(torch.is_grad_enabled())
+            received.pair_gate_M = received.pair_gate_M.detach().clone().requires_grad_(torch.is_grad_enabled())
+            self._received[key] = received
+        return expert_compute(received, self.w_gate_up, self.w_down, self.ops)
+
+    def traffic(self, ids_TK: torch.Tensor, x_TD: torch.Tensor, weights_TK: torch.Tensor) -> tuple[int, float, int]:
+        """(bytes this rank puts on the wire per forward, as `EPStats` counts them: packed rows with
+        their metadata slots and 64-B padding out, partial rows back; E[C_T]; most pairs any rank's
+        experts compute)."""
+        from occult.ep.layer import EPStats
+
+        stats = EPStats()
+        with torch.no_grad():
+            self._layer(x_TD, ids_TK, weights_TK, stats=stats)
+        most = torch.tensor([stats.pairs_received], dtype=torch.long, device=x_TD.device)
+        if self.world > 1:
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        return stats.bytes_remote, stats.mean_devices_per_token, int(most)
+
+    def bytes_sent(self, ids_TK: torch.Tensor) -> int | None:
+        return None
+
+
+class _StaticLayer(torch.nn.Module):
+    """The static-shape layer as a module (its expert weights as parameters) for
+    `torch.cuda.make_graphed_callables`."""
+
+    def __init__(self, method: OccultEP) -> None:
+        super().__init__()
+        self.method = method
+        self.w_gate_up = torch.nn.Parameter(method.w_gate_up, requires_grad=method.w_gate_up.requires_grad)
+        self.w_down = torch.nn.Parameter(method.w_down, requires_grad=method.w_down.requires_grad)
+
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         from occult.ep.layer import ep_moe
 
-        return ep_moe(x_TD, ids_TK, weights_TK, self.placement, self.w_gate_up, self.w_down,
-                      group=self.group, mode=self.mode, backend=self.ops)
-
-    def traffic(self, ids_TK: torch.Tensor) -> tuple[int, float]:
-        """(bytes this rank sends per forward: rows + 8 B per pair out, partial rows back; E[C_T])."""
-        from occult.ep.plan import META_BYTES_PER_PAIR, build_plan, local_expert_ids
-
-        placement = self.placement.to(ids_TK.device)
-        plan = build_plan(ids_TK, placement, self.world, local_expert_ids(placement, self.world), self.mode)
-        rows = torch.tensor(plan.rows_per_device, dtype=torch.long, device=ids_TK.device)
-        recv = rows.clone()
-        if self.world > 1:
-            dist.all_to_all_single(recv, rows, group=self.group)
-        recv_rows = recv.tolist()
-        row_bytes = self.w_down.shape[1] * self.w_down.element_size()
-        remote_rows = sum(plan.rows_per_device) - plan.rows_per_device[self.rank]
-        remote_pairs = sum(plan.pairs_per_device) - plan.pairs_per_device[self.rank]
-        returned = sum(recv_rows) - recv_rows[self.rank]
-        sent = remote_rows * row_bytes + remote_pairs * META_BYTES_PER_PAIR + returned * row_bytes
-        return sent, float(plan.devices_per_token_T.float().mean())
-
-    def bytes_sent(self, ids_TK: torch.Tensor) -> int | None:
-        return self.traffic(ids_TK)[0]
+        m = self.method
+        return ep_moe(x_TD, ids_TK, weights_TK, m.placement, self.w_gate_up, self.w_down, group=m.group,
+                      mode="dedup", backend=m.ops, static_capacity=x_TD.shape[0])
 
 
 def prune_routing(logits_TE: torch.Tensor, top_k: int, device_of_expert_E: torch.Tensor,
@@ -250,9 +353,89 @@ class SyntheticRouter:
         bias = 0.5 * torch.randn(shape.num_experts, generator=gen)
         return cls(u, v, bias)
 
-    def logits(self, x_TD: torch.Tensor) -> torch.Tensor:
+    def logits(self, x_TD: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
         device = x_TD.device
         return (x_TD.float() @ self.u_DR.to(device)) @ self.v_RE.to(device) + self.bias_E.to(device)
+
+    def calibration_ids(self, tokens: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+        x = torch.randn(tokens, self.u_DR.shape[0], generator=gen)
+        return self.logits(x).topk(top_k, dim=-1).indices
+
+
+@dataclass(frozen=True)
+class UniformRouter:
+    """i.i.d. Gaussian logits per token: uniform routing, no co-activation structure (Occult's worst case)."""
+
+    num_experts: int
+
+    def logits(self, x_TD: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        return torch.randn(x_TD.shape[0], self.num_experts, generator=gen, device=x_TD.device)
+
+    def calibration_ids(self, tokens: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+        return torch.randn(tokens, self.num_experts, generator=gen).topk(top_k, dim=-1).indices
+
+
+@dataclass(frozen=True)
+class TraceRouter:
+    """Routing replayed from a measured trace (`occult.profiling`'s routing_*.npz of our model),
+    widened to the shape: each of the trace's E_t experts becomes E/E_t sub-experts and each of a
+    token's k_t experts k/k_t of its sub-experts (drawn per token with a fixed seed), so the
+    co-activation between the trace's experts is kept. Tokens of all layers are pooled. The
+    calibration file (routing_calibration.npz beside it, if present) places; the given file times.
+    Logits put 8 on the token's chosen ids (plus N(0, 0.1) noise) and N(0, 1) elsewhere, so top-k
+    returns the trace and router-score pruning sees a ranking."""
+
+    ids_NK: torch.Tensor              # int64 [N, k] widened held-out trace
+    calibration_NK: torch.Tensor      # int64 [N', k] widened calibration trace
+    num_experts: int
+
+    @classmethod
+    def load(cls, path: str | Path, shape: MoEShape, seed: int) -> "TraceRouter":
+        import numpy as np
+
+        path = Path(path)
+        calibration = path.with_name("routing_calibration.npz")
+
+        def widened(file: Path) -> torch.Tensor:
+            with np.load(file, allow_pickle=False) as npz:
+                if "ids" not in npz.files:
+                    raise SweepError(f"trace: {file} has no 'ids' array (expected occult.profiling's routing npz)")
+                ids = torch.from_numpy(npz["ids"].astype("int64"))
+            ids = ids.reshape(-1, ids.shape[-1])
+            trace_experts = int(ids.max()) + 1
+            split, reach = shape.num_experts // trace_experts, shape.top_k // ids.shape[1]
+            trace_experts = shape.num_experts // split if split else trace_experts
+            if split * trace_experts != shape.num_experts or reach * ids.shape[1] != shape.top_k or reach > split:
+                raise SweepError(
+                    f"trace: {file} (top-{ids.shape[1]} of ≤{trace_experts} experts) cannot be widened to "
+                    f"{shape.name} (E={shape.num_experts}, k={shape.top_k})")
+            gen = torch.Generator().manual_seed(derive_seed(seed, "trace", file.name))
+            pick = torch.rand(ids.shape[0], ids.shape[1], split, generator=gen).argsort(-1)[..., :reach]
+            return (ids[..., None] * split + pick).reshape(ids.shape[0], -1)
+
+        held = widened(path)
+        return cls(held, widened(calibration) if calibration.is_file() else held, shape.num_experts)
+
+    def logits(self, x_TD: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        tokens, device = x_TD.shape[0], x_TD.device
+        start = int(torch.randint(0, self.ids_NK.shape[0], (1,), generator=gen, device=gen.device if gen else "cpu"))
+        rows = (start + torch.arange(tokens)) % self.ids_NK.shape[0]
+        ids = self.ids_NK[rows].to(device)
+        logits = torch.randn(tokens, self.num_experts, generator=gen, device=device)
+        noise = 0.1 * torch.randn(ids.shape, generator=gen, device=device)
+        return logits.scatter(1, ids, 8.0 + noise)
+
+    def calibration_ids(self, tokens: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+        return self.calibration_NK[:tokens]
+
+
+def make_router(settings: "SweepSettings", shape: MoEShape):
+    """The router of `settings.routing` for `shape` (module docstring)."""
+    if settings.routing == "uniform":
+        return UniformRouter(shape.num_experts)
+    if settings.routing == "trace":
+        return TraceRouter.load(settings.trace, shape, settings.seed)
+    return SyntheticRouter.make(shape, settings.seed)
 
 
 def derive_seed(*parts: Any) -> int:
@@ -273,13 +456,13 @@ class InputSet:
     routes: dict[int | None, tuple[torch.Tensor, torch.Tensor]]   # N_d (None = exact) -> (ids, weights)
 
 
-def make_inputs(shape: MoEShape, router: SyntheticRouter, tokens: int, seed: int, device: torch.device,
+def make_inputs(shape: MoEShape, router: Any, tokens: int, seed: int, device: torch.device,
                 dtype: torch.dtype, routes: Sequence[int | None], placement: torch.Tensor | None,
                 with_grad_output: bool) -> InputSet:
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(dtype)
     dy = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(dtype) if with_grad_output else None
-    logits = router.logits(x)
+    logits = router.logits(x, gen)
     weights, ids = torch.softmax(logits, dim=-1).topk(shape.top_k, dim=-1)
     out: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {None: (ids, weights)}
     for nd in routes:
@@ -290,7 +473,7 @@ def make_inputs(shape: MoEShape, router: SyntheticRouter, tokens: int, seed: int
     return InputSet(x, dy, out)
 
 
-def occult_placement(shape: MoEShape, router: SyntheticRouter, world: int, seed: int) -> torch.Tensor:
+def occult_placement(shape: MoEShape, router: Any, world: int, seed: int) -> torch.Tensor:
     """greedy_occult on the co-activation of a calibration batch (rank 0 computes, all receive)."""
     from occult.placement import greedy_occult
 
@@ -298,9 +481,8 @@ def occult_placement(shape: MoEShape, router: SyntheticRouter, world: int, seed:
     holder: list[Any] = [None]
     if rank == 0:
         gen = torch.Generator().manual_seed(derive_seed(seed, "calibration", shape.name))
-        x = torch.randn(CALIBRATION_TOKENS, shape.hidden, generator=gen)
-        ids = router.logits(x).topk(shape.top_k, dim=-1).indices
-        hits_NE = torch.zeros(CALIBRATION_TOKENS, shape.num_experts).scatter_(1, ids, 1.0)
+        ids = router.calibration_ids(CALIBRATION_TOKENS, shape.top_k, gen)
+        hits_NE = torch.zeros(ids.shape[0], shape.num_experts).scatter_(1, ids, 1.0)
         coact_EE = (hits_NE.t() @ hits_NE).numpy()
         holder[0] = greedy_occult(coact_EE, world).tolist()
     if world > 1:
@@ -418,6 +600,17 @@ def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: tor
     return values.tolist()
 
 
+def phase_medians(events: list[tuple[torch.cuda.Event, ...]], device: torch.device, world: int) -> dict[str, float]:
+    """Median ms of dispatch (plan, counts, sync, pack, all-to-all, BRIM_1), expert kernels and
+    return + combine over the timed steps, each the max over ranks of the rank's median."""
+    torch.cuda.synchronize(device)
+    spans = [[a.elapsed_time(b) for a, b in zip(ev[:-1], ev[1:])] for ev in events]
+    medians = torch.tensor([statistics.median(col) for col in zip(*spans)], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return dict(zip(("dispatch_ms", "experts_ms", "combine_ms"), medians.tolist()))
+
+
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     position = q * (len(ordered) - 1)
@@ -461,9 +654,20 @@ def default_out_csv(kind: str, device: str, world: int) -> Path:
 # The sweep
 
 
+def occult_options(name: str) -> tuple[str, ...]:
+    """The `-option`s of an occult method name (`OCCULT_OPTIONS`)."""
+    match = OCCULT_RE.match(name)
+    return tuple(part for part in match.group("options").split("-") if part) if match else ()
+
+
 def build_method(name: str, placement: torch.Tensor | None, backend: str) -> Method:
     if OCCULT_RE.match(name):
-        method = OccultEP(placement, backend)
+        options = occult_options(name)
+        if "trivial" in options and placement is not None:
+            from occult.ep.plan import contiguous_placement
+
+            placement = contiguous_placement(placement.numel(), int(placement.max()) + 1)
+        method = OccultEP(placement, backend, options)
         method.name = name
         return method
     return make_method(name)
@@ -575,7 +779,7 @@ def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device,
     weights = ExpertWeights(weights.w_gate_up_E2FD.cpu(), weights.w_down_EDF.cpu())
     shared = (SharedExpert(shape, settings.seed, device, dtype)
               if settings.include_shared and shape.shared_ffn else None)
-    router = SyntheticRouter.make(shape, settings.seed)
+    router = make_router(settings, shape)
     wants_occult = any(OCCULT_RE.match(m) for m in settings.methods)
     placement = (occult_placement(shape, router, world, settings.seed)
                  if wants_occult and shape.num_experts % world == 0 else None)
@@ -594,7 +798,7 @@ def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device,
     tolerance = REL_TOLERANCE[settings.dtype]
 
     for name, method in methods.items():
-        base = {**fixed, **shape_fields, "method": name}
+        base = {**fixed, **shape_fields, "method": name, "routing": settings.routing}
         status = skip[name]
         max_rel_err = None
         if status is None:
@@ -606,7 +810,7 @@ def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device,
             error = agree(error, world)
             if error:
                 status = f"error: setup: {error}"
-        if status is None:
+        if status is None and getattr(method, "checks_output", True):
             error = None
             try:
                 max_rel_err = relative_error(method, check, routing_key(name), references[routing_key(name)], world)
@@ -633,7 +837,7 @@ def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device,
 
 
 def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method, shared: SharedExpert | None,
-             router: SyntheticRouter, placement: torch.Tensor | None, size: int, device: torch.device,
+             router: Any, placement: torch.Tensor | None, size: int, device: torch.device,
              dtype: torch.dtype, world: int, rank: int) -> dict[str, Any]:
     """Time one method at one size; returns the measured columns and the status."""
     train = settings.kind == "train"
@@ -647,9 +851,12 @@ def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method
                             derive_seed(settings.seed, settings.kind, shape.name, tokens, index, rank),
                             device, dtype, [nd], placement, with_grad_output=train)
                 for index in range(settings.input_sets)]
-        first_ids = sets[0].routes[nd][0]
+        first_ids, first_weights = sets[0].routes[nd]
         if isinstance(method, OccultEP):
-            out["bytes_sent"], out["mean_devices_per_token"] = method.traffic(first_ids)
+            out["bytes_sent"], out["mean_devices_per_token"], out["pairs_received_max"] = method.traffic(
+                first_ids, sets[0].x_TD, first_weights)
+            phases = device.type == "cuda" and not train and not (method.graphed or method.compute_only)
+            method.phase_events = [] if phases else None
         else:
             out["bytes_sent"] = method.bytes_sent(first_ids)
         params = method.expert_parameters() + (list(shared.parameters()) if shared is not None else [])
@@ -677,6 +884,8 @@ def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method
             torch.cuda.reset_peak_memory_stats(device)
         times = time_steps(step, settings.repeats, settings.warmup, device, world)
         out.update(median_ms=statistics.median(times), p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9))
+        if isinstance(method, OccultEP) and method.phase_events:
+            out.update(phase_medians(method.phase_events[settings.warmup:], device, world))
         if device.type == "cuda":
             peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
             if world > 1:
@@ -735,6 +944,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--occult-backend", choices=("auto", "torch", "triton"), default="auto")
     parser.add_argument("--no-shared", action="store_true", help="leave out the shapes' shared experts")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
+    parser.add_argument("--routing", choices=ROUTINGS, default="synthetic",
+                        help="synthetic low-rank router, uniform, or a measured trace (--trace)")
+    parser.add_argument("--trace", default="", help="routing_*.npz of occult.profiling (routing=trace)")
     return parser
 
 
@@ -769,6 +981,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.repeats, warmup=args.warmup, device=args.device, dtype=args.dtype, seed=args.seed,
         seq_len=args.seq_len, input_sets=args.input_sets, check_tokens=args.check_tokens,
         occult_backend=args.occult_backend, include_shared=not args.no_shared, command=command,
+        routing=args.routing, trace=args.trace,
     )
     settings.validate()
     timeout = datetime.timedelta(seconds=args.timeout_s)

@@ -156,3 +156,65 @@ def test_quantile_interpolates():
     assert sweep.quantile([4.0, 1.0, 3.0, 2.0, 5.0], 0.5) == 3.0
     assert sweep.quantile([1.0, 2.0], 0.1) == pytest.approx(1.1)
     assert sweep.quantile([7.0], 0.9) == 7.0
+
+
+def write_trace(path: Path, experts: int, top_k: int, tokens: int, seed: int) -> None:
+    """A routing npz in occult.profiling's layout: ids [L, N, k] of distinct experts per token."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((2, tokens, experts)), axis=-1)[..., :top_k].astype("int16")
+    np.savez(path, ids=ids, layers=np.arange(2))
+
+
+def test_occult_options_and_trace_routing_run_on_two_ranks(tmp_path):
+    write_trace(tmp_path / "routing_heldout.npz", 4, 1, 40, seed=1)
+    write_trace(tmp_path / "routing_calibration.npz", 4, 1, 40, seed=2)
+    out = tmp_path / "trace.csv"
+    methods = ["occult", "occult-pe", "occult-static", "occult-trivial", "occult-compute", "occult-nd1"]
+    cmd = [sys.executable, "-m", "occult.sweep", "--device", "cpu", "--dtype", "float32", "--D", "2",
+           "--kind", "prefill", "--shapes", "tiny", "--sizes", "12", "--repeats", "2", "--warmup", "3",
+           "--routing", "trace", "--trace", str(tmp_path / "routing_heldout.npz"), "--out", str(out),
+           "--methods", *methods]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    frame = pd.read_csv(out).set_index("method")
+    assert (frame["status"] == "ok").all(), frame["status"]
+    assert set(frame["routing"]) == {"trace"}
+    checked = frame.drop(index="occult-compute")
+    assert (checked["max_rel_err"] < sweep.REL_TOLERANCE["float32"]).all()
+    assert pd.isna(frame.loc["occult-compute", "max_rel_err"])          # no output to check
+    # The static plan sends T rows to the other device whatever the routing; exact dedup sends
+    # at most that many, per_expert at least as many rows as dedup.
+    assert frame.loc["occult-static", "bytes_sent"] >= frame.loc["occult", "bytes_sent"]
+    assert frame.loc["occult-pe", "bytes_sent"] >= frame.loc["occult", "bytes_sent"]
+    assert (frame["pairs_received_max"] > 0).all()
+    assert frame.loc["occult-nd1", "mean_devices_per_token"] == 1
+
+
+def test_trace_router_keeps_the_trace_and_rejects_shapes_it_cannot_widen(tmp_path):
+    write_trace(tmp_path / "routing_heldout.npz", 4, 1, 30, seed=3)
+    router = sweep.TraceRouter.load(tmp_path / "routing_heldout.npz", SHAPES["tiny"], seed=0)  # E=8, k=2
+    assert router.ids_NK.shape == (60, 2) and int(router.ids_NK.max()) < 8
+    # Both sub-experts of a token come from the trace's one expert of that token.
+    assert torch.equal(router.ids_NK[:, 0] // 2, router.ids_NK[:, 1] // 2)
+    assert (router.ids_NK[:, 0] != router.ids_NK[:, 1]).all()
+    gen = torch.Generator().manual_seed(0)
+    logits = router.logits(torch.zeros(5, 32), gen)
+    top = logits.topk(2, dim=1).indices.sort(dim=1).values
+    window = [row for row in router.ids_NK.sort(dim=1).values.tolist()]
+    assert all(row in window for row in top.tolist())
+    write_trace(tmp_path / "wide.npz", 16, 4, 10, seed=4)
+    with pytest.raises(sweep.SweepError, match="wide.npz"):
+        sweep.TraceRouter.load(tmp_path / "wide.npz", SHAPES["tiny"], seed=0)
+
+
+def test_bad_occult_method_names_are_named():
+    with pytest.raises(sweep.SweepError, match="occult-fast"):
+        sweep.SweepSettings(kind="prefill", shapes=("tiny",), methods=("occult-fast",), world=1, sizes=(4,),
+                            out_csv="x.csv").validate()
+    with pytest.raises(sweep.SweepError, match="trivial"):
+        sweep.SweepSettings(kind="prefill", shapes=("tiny",), methods=("occult-nd1-trivial",), world=1,
+                            sizes=(4,), out_csv="x.csv").validate()
+    with pytest.raises(sweep.SweepError, match="pe"):
+        sweep.OccultEP(None, "torch", ("pe", "static"))

@@ -41,6 +41,8 @@ from occult.ep.plan import (
     count_plan,
     finish_plan,
     local_expert_ids,
+    static_plan,
+    static_slots,
 )
 
 BACKENDS = ("torch", "triton")
@@ -103,6 +105,7 @@ class EPStats:
     rows_remote: int = 0             # rows dispatched to other ranks
     rows_self: int = 0
     pairs_remote: int = 0
+    pairs_received: int = 0          # (row, expert) pairs this rank's experts computed
     bytes_dispatch_remote: int = 0
     bytes_combine_remote: int = 0    # partial rows this rank returns to other ranks
     bytes_self: int = 0              # dispatch + combine bytes that stay on this rank
@@ -155,6 +158,7 @@ class PlacementTables:
     placement_E: torch.Tensor        # int64 [E] device of each expert
     local_id_E: torch.Tensor         # int64 [E] index of each expert among its device's experts
     experts_here: int                # experts on this rank
+    placement_cpu: torch.Tensor      # int64 [E] the same placement on the host
 
 
 @functools.lru_cache(maxsize=64)
@@ -164,6 +168,7 @@ def _placement_tables(values: tuple[int, ...], world: int, rank: int, device: to
         placement_E=placement_cpu.to(device),
         local_id_E=local_expert_ids(placement_cpu, world).to(device),
         experts_here=int((placement_cpu == rank).sum()),
+        placement_cpu=placement_cpu,
     )
 
 
@@ -201,7 +206,10 @@ def _pack_rows(x_TD: torch.Tensor, gate_P: torch.Tensor, plan: DispatchPlan) -> 
     hidden_bytes, row_bytes = _row_layout(hidden, x_TD.dtype, slots)
     buf = torch.empty(plan.num_rows, row_bytes, dtype=torch.uint8, device=x_TD.device)
     x_view = buf[:, : hidden * x_TD.element_size()].view(x_TD.dtype)
-    torch.index_select(x_TD, 0, plan.send_token_S, out=x_view)
+    if plan.capacity is None:
+        torch.index_select(x_TD, 0, plan.send_token_S, out=x_view)
+    else:                    # static: token t in row t of every destination's block (rows ≥ T unset)
+        x_view.view(plan.num_devices, plan.capacity, hidden)[:, : x_TD.shape[0]] = x_TD
     meta = buf[:, hidden_bytes:].view(torch.int32)
     meta[:, :slots].fill_(-1)
     meta[:, slots:].zero_()                                   # gates and the alignment padding
@@ -270,6 +278,8 @@ def ep_moe(
     backend: str | ExpertBackend = "torch",
     shared_expert: Callable[[torch.Tensor], torch.Tensor] | None = None,
     stats: EPStats | None = None,
+    static_capacity: int | None = None,
+    phase: Callable[[str], None] | None = None,
 ) -> torch.Tensor:
     """MoE output [T, D] for this rank's tokens, experts spread over the ranks of `group`.
 
@@ -282,6 +292,12 @@ def ep_moe(
 
     Per call: 3 all-to-alls (counts; packed rows; returned partials) and ONE host sync (the
     receive split sizes, read together with the send split sizes).
+
+    `static_capacity=C` (dedup only; every rank passes the same C ≥ its T) selects the static-shape
+    plan (`occult.ep.plan.static_plan`): 2 equal-split all-to-alls of D·C rows, NO host sync, so
+    the call can be captured in a CUDA graph (`occult.ep.graph`); the wire then carries C·(D−1)
+    remote rows each way whatever the routing. `phase`, if given, is called with "dispatched",
+    "computed" and "combined" as each part has been issued (benchmarks record CUDA events there).
     """
     world, rank = group_size_and_rank(group)
     ops = get_backend(backend) if isinstance(backend, str) else backend
@@ -294,32 +310,89 @@ def ep_moe(
             f"{tables.experts_here} on rank {rank}"
         )
 
-    counts = count_plan(ids_TK, tables.placement_E, world, tables.local_id_E, mode)
-    recv_counts_D3 = _all_to_all(counts.counts_D3, [1] * world, [1] * world, group)
-    # The one host sync: send and receive split sizes (and every rank's most pairs per row).
-    send_rows, send_pairs, _, recv_rows, recv_pairs, most_pairs = (
-        torch.cat([counts.counts_D3, recv_counts_D3], 1).t().tolist()
+    received = dispatch_to_experts(
+        x_TD, ids_TK, weights_TK, tables, group, mode, ops, static_capacity, world, rank
     )
-    plan = finish_plan(counts, send_rows, send_pairs, max(max(most_pairs, default=1), 1))
-
-    x_RD, code_RK, gate_RK = _Dispatch.apply(x_TD, weights_TK, plan, recv_rows, group, ops.combine)
-    pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = build_pairs_from_slots(
-        code_RK, sum(recv_pairs), tables.experts_here
-    )
-    pair_gate_M = gate_RK.reshape(-1)[pair_flat_M]
-    table = {"row_pairs_RK": pair_pos_RK} if ops.takes_row_table else {}
-    h_MF = ops.grouped_swiglu(x_RD, pair_row_M, expert_offsets, w_gate_up_local, **table)
-    y_RD = ops.grouped_down_reduce(
-        h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_local, x_RD.shape[0], **table
-    )
-    z_SD = y_RD if world == 1 else AllToAll.apply(y_RD, send_rows, recv_rows, group)
-    y_TD = ops.combine(z_SD, plan.brim0_TJ)
+    if phase is not None:
+        phase("dispatched")
+    y_RD = expert_compute(received, w_gate_up_local, w_down_local, ops)
+    if phase is not None:
+        phase("computed")
+    z_SD = y_RD if world == 1 else AllToAll.apply(y_RD, received.send_rows, received.recv_rows, group)
+    y_TD = ops.combine(z_SD, received.plan.brim0_TJ)
+    if phase is not None:
+        phase("combined")
 
     if shared_expert is not None:
         y_TD = y_TD + shared_expert(x_TD)
     if stats is not None:
-        _record(stats, plan, rank, x_TD, z_SD, recv_rows)
+        _record(stats, received, rank, x_TD, z_SD)
     return y_TD
+
+
+@dataclass
+class Received:
+    """What an expert rank holds after the dispatch: its rows, their pairs grouped by expert
+    (BRIM_1) and the row → pairs table; plus the source-side plan and split sizes."""
+
+    x_RD: torch.Tensor
+    pair_row_M: torch.Tensor
+    pair_gate_M: torch.Tensor
+    expert_offsets: torch.Tensor
+    row_pairs_RK: torch.Tensor
+    plan: DispatchPlan
+    send_rows: list[int]
+    recv_rows: list[int]
+
+
+def dispatch_to_experts(
+    x_TD: torch.Tensor,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    tables: PlacementTables,
+    group: dist.ProcessGroup | None,
+    mode: str,
+    ops: ExpertBackend,
+    static_capacity: int | None,
+    world: int,
+    rank: int,
+) -> Received:
+    """Plan, exchange counts (exact plans: the one host sync), send the packed rows, build BRIM_1."""
+    if static_capacity is None:
+        counts = count_plan(ids_TK, tables.placement_E, world, tables.local_id_E, mode)
+        recv_counts_D3 = _all_to_all(counts.counts_D3, [1] * world, [1] * world, group)
+        # The one host sync: send and receive split sizes (and every rank's most pairs per row).
+        send_rows, send_pairs, _, recv_rows, recv_pairs, most_pairs = (
+            torch.cat([counts.counts_D3, recv_counts_D3], 1).t().tolist()
+        )
+        plan = finish_plan(counts, send_rows, send_pairs, max(max(most_pairs, default=1), 1))
+        num_recv_pairs: int | None = sum(recv_pairs)
+    else:
+        if mode != "dedup":
+            raise ValueError(f"static_capacity: needs mode='dedup' (got {mode!r}): per-expert rows have no bound below T*k")
+        slots = static_slots(tables.placement_cpu, world, ids_TK.shape[1])
+        plan = static_plan(ids_TK, tables.placement_E, world, tables.local_id_E, int(static_capacity), slots)
+        send_rows = recv_rows = plan.rows_per_device
+        num_recv_pairs = None                           # padded: the kernels read the count on the device
+
+    x_RD, code_RK, gate_RK = _Dispatch.apply(x_TD, weights_TK, plan, recv_rows, group, ops.combine)
+    pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = build_pairs_from_slots(
+        code_RK, num_recv_pairs, tables.experts_here
+    )
+    pair_gate_M = gate_RK.reshape(-1)[pair_flat_M]
+    return Received(x_RD, pair_row_M, pair_gate_M, expert_offsets, pair_pos_RK, plan, send_rows, recv_rows)
+
+
+def expert_compute(
+    received: Received, w_gate_up_local: torch.Tensor, w_down_local: torch.Tensor, ops: ExpertBackend
+) -> torch.Tensor:
+    """y_RD: grouped SwiGLU, then the gate-scaled down projection summed per received row (fp32)."""
+    table = {"row_pairs_RK": received.row_pairs_RK} if ops.takes_row_table else {}
+    h_MF = ops.grouped_swiglu(received.x_RD, received.pair_row_M, received.expert_offsets, w_gate_up_local, **table)
+    return ops.grouped_down_reduce(
+        h_MF, received.pair_row_M, received.pair_gate_M, received.expert_offsets, w_down_local,
+        received.x_RD.shape[0], **table
+    )
 
 
 def _check_inputs(
@@ -348,12 +421,13 @@ def _check_inputs(
         )
 
 
-def _record(
-    stats: EPStats, plan: DispatchPlan, rank: int, x_TD: torch.Tensor, z_SD: torch.Tensor, recv_rows: list[int]
-) -> None:
+def _record(stats: EPStats, received: Received, rank: int, x_TD: torch.Tensor, z_SD: torch.Tensor) -> None:
+    plan, recv_rows = received.plan, received.recv_rows
     _, row_bytes = _row_layout(x_TD.shape[1], x_TD.dtype, plan.slots)   # packed: hidden + slots
     back_bytes = x_TD.shape[1] * z_SD.element_size()
     rows, pairs = plan.rows_per_device, plan.pairs_per_device
+    if plan.capacity is not None:       # static: every row is on the wire; count the pairs (sync)
+        pairs = torch.bincount(plan.pair_row_P // plan.capacity, minlength=plan.num_devices).tolist()
     remote_rows = sum(rows) - rows[rank]
     remote_pairs = sum(pairs) - pairs[rank]
     stats.calls += 1
@@ -362,6 +436,7 @@ def _record(
     stats.rows_remote += remote_rows
     stats.rows_self += rows[rank]
     stats.pairs_remote += remote_pairs
+    stats.pairs_received += int(received.expert_offsets[-1])           # host sync
     stats.bytes_dispatch_remote += remote_rows * row_bytes
     stats.bytes_combine_remote += (sum(recv_rows) - recv_rows[rank]) * back_bytes
     stats.bytes_self += rows[rank] * (row_bytes + back_bytes)

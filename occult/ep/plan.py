@@ -25,6 +25,16 @@ in ONE all-to-all. `DispatchPlan.pair_row_P`/`pair_rank_P` give each pair's (row
 together with the [R, slots] table of each row's pair positions in expert order (the reduction
 table of the down projection: no sort by row is needed).
 
+Static shapes (`static_plan`, dedup only). A rank sends each of its T tokens at most once to
+each device, so a buffer of C ≥ T rows per destination is an exact upper bound: row d·C + t of
+the send buffer is token t's row for device d (its metadata slots all −1 when t needs nothing
+there, or t ≥ T). No sort, no split sizes on the host, no sync: the all-to-alls have equal
+splits, and the layer can be captured in a CUDA graph. The wire carries C·(D−1) remote rows
+whatever the routing (exact dispatch: E[C_T]·T·(D−1)/D on average), so it pays at small D or
+where launches, not bytes, dominate. The expert rank sees R = D·C rows with `slots` pairs each;
+`build_pairs_from_slots(code_RK, None, E_r)` groups them by expert without knowing how many are
+filled (the empty slots sort last, past `expert_offsets[-1]`).
+
 Host synchronisation: `count_plan` and `finish_plan` make none; `build_plan` = both plus exactly
 one `.tolist()` of the per-device row and pair counts (the all-to-all split sizes). The layer
 instead exchanges the counts on the device first and reads send and receive counts in one sync.
@@ -127,6 +137,7 @@ class DispatchPlan:
     pair_row_P: torch.Tensor | None = None   # int64 [P] row of each pair in the send buffer
     pair_rank_P: torch.Tensor | None = None  # int64 [P] the pair's slot within its row (< slots)
     slots: int = 1                   # metadata slots per packed row (max pairs per row)
+    capacity: int | None = None      # static plans: rows per destination (row d*C + t = token t)
 
     @property
     def num_rows(self) -> int:
@@ -239,6 +250,57 @@ def finish_plan(
     )
 
 
+def static_slots(device_of_expert_E: torch.Tensor, num_devices: int, top_k: int) -> int:
+    """Metadata slots of a static plan: the most of a token's k experts one device can hold."""
+    placement = device_of_expert_E.detach().cpu().long()
+    most_here = int(torch.bincount(placement, minlength=num_devices).max()) if placement.numel() else 0
+    return max(min(top_k, most_here), 1)
+
+
+def static_plan(
+    ids_TK: torch.Tensor,
+    device_of_expert_E: torch.Tensor,
+    num_devices: int,
+    local_id_of_expert_E: torch.Tensor,
+    capacity: int,
+    slots: int,
+) -> DispatchPlan:
+    """The static-shape dedup plan (module docstring): row d*capacity + t carries token t's pairs
+    on device d; no sort and no host sync. `slots` ≥ the most experts of one token on one device
+    (`static_slots`); every rank of the group must use the same `capacity` and `slots`."""
+    if ids_TK.dim() != 2:
+        raise ValueError(f"ids_TK: expected [T, k], got shape {tuple(ids_TK.shape)}")
+    num_tokens, top_k = ids_TK.shape
+    if capacity < num_tokens:
+        raise ValueError(f"static_capacity: {capacity} rows per device < {num_tokens} tokens on this rank")
+    device = ids_TK.device
+    placement = device_of_expert_E.to(device=device, dtype=torch.long)
+    local_id = local_id_of_expert_E.to(device=device, dtype=torch.long)
+    ids_flat = ids_TK.reshape(-1).long()
+    dev_TK = placement[ids_flat].view(num_tokens, top_k)
+    one_hot_TKD = torch.nn.functional.one_hot(dev_TK, num_devices)
+    # Slot of each pair within its (token, device) row: earlier pairs of the token on that device.
+    rank_TK = (one_hot_TKD.cumsum(1) - 1).gather(2, dev_TK[..., None]).squeeze(2)
+    hit_TD = one_hot_TKD.amax(1) > 0 if top_k else torch.zeros(num_tokens, num_devices, dtype=torch.bool, device=device)
+    token_T = torch.arange(num_tokens, device=device)
+    row_TD = torch.arange(num_devices, device=device)[None, :] * capacity + token_T[:, None]
+    return DispatchPlan(
+        mode="dedup",
+        num_devices=num_devices,
+        send_token_S=token_T,
+        pair_code_P=(2 * local_id[ids_flat]).to(torch.int32),
+        pair_slot_P=torch.arange(ids_flat.numel(), device=device),
+        brim0_TJ=torch.where(hit_TD, row_TD, -1),
+        devices_per_token_T=hit_TD.sum(1),
+        rows_per_device=[capacity] * num_devices,
+        pairs_per_device=[],
+        pair_row_P=(dev_TK * capacity + token_T[:, None]).reshape(-1),
+        pair_rank_P=rank_TK.reshape(-1),
+        slots=max(slots, 1),
+        capacity=capacity,
+    )
+
+
 def build_plan(
     ids_TK: torch.Tensor,
     device_of_expert_E: torch.Tensor,
@@ -280,13 +342,14 @@ def build_pairs(
 
 def build_pairs_from_slots(
     code_RK: torch.Tensor,
-    num_pairs: int,
+    num_pairs: int | None,
     experts_per_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """BRIM_1 from packed rows: (pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK).
 
     `code_RK` int [R, K]: the local expert of each row's slots (−1 = empty), `num_pairs` = the
-    number of filled slots (known on the host from the split sizes). Pairs are grouped by expert
+    number of filled slots (known on the host from the split sizes), or None (static shapes: every
+    slot becomes a pair, the empty ones last, past `expert_offsets[-1]`). Pairs are grouped by expert
     (stable: row-major within an expert). `pair_flat_M` = r*K + slot of each pair (gather the
     gates with it), `pair_pos_RK` = each slot's position in expert order (−1 = empty): the table
     that reduces the pairs of every row without sorting by row. No host sync.
@@ -298,10 +361,14 @@ def build_pairs_from_slots(
     code_flat = code_RK.reshape(-1).long()
     key = torch.where(code_flat >= 0, code_flat, experts_per_rank)      # empty slots sort last
     key_sorted, order = torch.sort(narrow_key(key, experts_per_rank), stable=True)
+    padded = num_pairs is None
+    num_pairs = order.numel() if padded else num_pairs
     pair_flat_M = order[:num_pairs]
     expert_offsets = torch.searchsorted(
         key_sorted[:num_pairs], torch.arange(experts_per_rank + 1, device=device, dtype=key_sorted.dtype)
     )
     pair_pos_RK = torch.full((num_rows * slots,), -1, dtype=torch.long, device=device)
     pair_pos_RK[pair_flat_M] = torch.arange(num_pairs, device=device)
+    if padded:
+        pair_pos_RK = torch.where(code_flat >= 0, pair_pos_RK, -1)
     return pair_flat_M, pair_flat_M // max(slots, 1), expert_offsets, pair_pos_RK.view(num_rows, slots)

@@ -16,6 +16,7 @@ from occult.kernels.reference import moe_dense_ref
 
 HIDDEN, FFN = 16, 8
 MODES = ("dedup", "per_expert")
+CASES = (*MODES, "static")   # static = dedup through the static-shape plan (no host sync)
 
 
 def make_weights(num_experts: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +64,7 @@ def placement_for(num_experts: int, world: int, seed: int) -> torch.Tensor:
     return contiguous_placement(num_experts, world)[torch.randperm(num_experts, generator=gen)]
 
 
-def check_scenarios(rank: int, world: int) -> list[dict]:
+def check_scenarios(rank: int, world: int, backend: str = "torch") -> list[dict]:
     """On every rank: run each scenario in both modes and compare with the dense full batch."""
     reports = []
     for index, (kind, num_experts, top_k, tokens) in enumerate(SCENARIOS):
@@ -86,14 +87,17 @@ def check_scenarios(rank: int, world: int) -> list[dict]:
         mine = slice(start, start + batches[rank][0].shape[0])
         local = experts_of_device(placement, rank)
 
-        for mode in MODES:
+        capacity = max(b[0].shape[0] for b in batches) + 1       # > T everywhere: padding rows too
+        for case in CASES:
+            mode = "dedup" if case == "static" else case
+            static = {"static_capacity": capacity} if case == "static" else {}
             x, ids, weights = (t.clone() for t in batches[rank])
             x.requires_grad_()
             weights.requires_grad_()
             wgu = w_gate_up[local].clone().requires_grad_()
             wd = w_down[local].clone().requires_grad_()
             stats = EPStats()
-            y = ep_moe(x, ids, weights, placement, wgu, wd, mode=mode, stats=stats)
+            y = ep_moe(x, ids, weights, placement, wgu, wd, mode=mode, stats=stats, backend=backend, **static)
             (y * dys[rank]).sum().backward()
 
             def err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -101,7 +105,7 @@ def check_scenarios(rank: int, world: int) -> list[dict]:
 
             c_t = sum(len({int(placement[e]) for e in row.tolist()}) for row in ids)
             reports.append({
-                "scenario": index, "mode": mode, "rank": rank,
+                "scenario": index, "mode": case, "rank": rank,
                 "y": err(y, y_full[mine]),
                 "grad_x": err(x.grad, x_full.grad[mine]),
                 "grad_weights": err(weights.grad, weights_full.grad[mine]),
@@ -150,6 +154,13 @@ def test_multi_rank_matches_dense(world):
     assert any(rep["bytes"] > 0 for rep in reports)
 
 
+def test_triton_backend_on_two_ranks_matches_dense_with_gradients():
+    """The kernels (interpreter on CPU) in every dispatch case, static shapes included."""
+    get_backend("triton")
+    for reports in run_ranks(check_scenarios, 2, "triton", timeout_s=240):
+        assert_reports(reports, atol=1e-4)
+
+
 def test_shared_expert_is_added_and_bad_input_is_named():
     placement = torch.zeros(4, dtype=torch.long)
     w_gate_up, w_down = make_weights(4)
@@ -177,9 +188,11 @@ def test_triton_backend_matches_or_fails_clearly():
     placement = torch.zeros(4, dtype=torch.long)
     w_gate_up, w_down = make_weights(4)
     x, ids, weights = make_tokens("random", 6, 4, 2, placement, seed=1)
-    for mode in MODES:
+    for case in CASES:
+        mode = "dedup" if case == "static" else case
+        static = {"static_capacity": 8} if case == "static" else {}
         expected = moe_dense_ref(x, ids, weights, w_gate_up, w_down)
-        got = ep_moe(x, ids, weights, placement, w_gate_up, w_down, mode=mode, backend="triton")
+        got = ep_moe(x, ids, weights, placement, w_gate_up, w_down, mode=mode, backend="triton", **static)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 

@@ -13,6 +13,8 @@ from occult.ep.plan import (
     contiguous_placement,
     experts_of_device,
     local_expert_ids,
+    static_plan,
+    static_slots,
 )
 
 
@@ -211,3 +213,48 @@ def test_packed_slots_give_the_same_brim1_and_a_row_table(kind, T, E, K, D, mode
             assert listed == [m for m in range(n_pairs) if int(pair_row[m]) == r]
         row_start += n_rows
         pair_start += n_pairs
+
+
+@pytest.mark.parametrize("kind,T,E,K,D", CASES)
+def test_static_plan_puts_token_t_in_row_t_of_each_device_block(kind, T, E, K, D):
+    placement = contiguous_placement(E, D)[torch.randperm(E, generator=torch.Generator().manual_seed(T))]
+    ids = routing(kind, T, E, K, placement, seed=5)
+    capacity = T + 2
+    slots = static_slots(placement, D, K)
+    plan = static_plan(ids, placement, D, local_expert_ids(placement, D), capacity, slots)
+    local = local_expert_ids(placement, D)
+    assert plan.rows_per_device == [capacity] * D and plan.capacity == capacity
+    assert slots == max(min(K, int(torch.bincount(placement, minlength=D).max())), 1)
+    codes = {}                       # (row, slot) -> local expert id, from the plan
+    for p in range(T * K):
+        t, j = divmod(p, K)
+        d = int(placement[ids[t, j]])
+        row = int(plan.pair_row_P[p])
+        assert row == d * capacity + t
+        assert 0 <= int(plan.pair_rank_P[p]) < slots
+        codes[(row, int(plan.pair_rank_P[p]))] = int(plan.pair_code_P[p]) >> 1
+        assert codes[(row, int(plan.pair_rank_P[p]))] == int(local[ids[t, j]])
+    assert len(codes) == T * K                        # no two pairs share a (row, slot)
+    for t in range(T):
+        devices = {int(placement[e]) for e in ids[t].tolist()}
+        assert int(plan.devices_per_token_T[t]) == len(devices)
+        for d in range(D):
+            assert int(plan.brim0_TJ[t, d]) == (d * capacity + t if d in devices else -1)
+
+
+def test_padded_pairs_from_slots_match_the_exact_ones():
+    gen = torch.Generator().manual_seed(3)
+    code_RK = torch.randint(-1, 4, (9, 3), generator=gen)
+    exact = build_pairs_from_slots(code_RK, int((code_RK >= 0).sum()), 4)
+    padded = build_pairs_from_slots(code_RK, None, 4)
+    valid = int(exact[2][-1])
+    assert torch.equal(exact[2], padded[2])                   # same offsets: padding sits past them
+    assert padded[0].numel() == code_RK.numel()
+    assert torch.equal(exact[0], padded[0][:valid]) and torch.equal(exact[1], padded[1][:valid])
+    assert torch.equal(exact[3], padded[3])                    # empty slots stay -1 in the row table
+
+
+def test_static_plan_rejects_a_capacity_below_the_tokens():
+    placement = contiguous_placement(4, 2)
+    with pytest.raises(ValueError, match="static_capacity"):
+        static_plan(torch.zeros(5, 2, dtype=torch.long), placement, 2, local_expert_ids(placement, 2), 4, 2)
