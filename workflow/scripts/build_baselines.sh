@@ -4,6 +4,9 @@
 #   :all:` them into SDIST_DIR). Tutel is not on PyPI: install it from its own repository as its
 #   README says; our adapter uses it whenever `import tutel` works.
 # Usage: build_baselines.sh SDIST_DIR [BUILD_DIR]
+# Wheels: the built wheels are left in $BUILD_DIR/wheels. If WHEEL_CACHE names a folder holding
+# wheels of all three (built earlier by this script on the same image), they are installed instead
+# of building (≈5 s instead of ≈200 s).
 # Needs: the machine's CUDA torch, nvcc, ninja. Installs into the running python3's site-packages.
 # One compatibility edit is applied: MegaBlocks' csrc/cumsum.h passes CUB's removed
 # `debug_synchronous` argument to DeviceScan::{Exclusive,Inclusive}Sum; it is dropped.
@@ -32,11 +35,20 @@ for path in glob.glob("megablocks-*/csrc/cumsum.h"):
 PY
 
 start=$SECONDS
-for pkg in stanford_stk-* grouped_gemm-* megablocks-* ; do
-  [ -d "$pkg" ] || continue
-  echo "== building $pkg"
-  ( pip_install "./$pkg" ) || echo "build_baselines: FAILED to build $pkg" >&2
-done
+cache=${WHEEL_CACHE:-}
+if [ -n "$cache" ] && ls "$cache"/stanford_stk-*.whl "$cache"/grouped_gemm-*.whl "$cache"/megablocks-*.whl >/dev/null 2>&1; then
+  echo "== installing cached wheels from $cache"
+  pip_install "$cache"/stanford_stk-*.whl "$cache"/grouped_gemm-*.whl "$cache"/megablocks-*.whl \
+    || echo "build_baselines: FAILED to install cached wheels" >&2
+else
+  mkdir -p wheels
+  for pkg in stanford_stk-* grouped_gemm-* megablocks-* ; do
+    [ -d "$pkg" ] || continue
+    echo "== building $pkg"
+    ( python3 -m pip wheel -q --no-deps --no-build-isolation --no-index -w wheels "./$pkg" \
+      && pip_install wheels/"${pkg%%-*}"-*.whl ) || echo "build_baselines: FAILED to build $pkg" >&2
+  done
+fi
 echo "build_baselines: done in $((SECONDS - start)) s"
 python3 - <<'PY'
 for name in ("stk", "grouped_gemm", "megablocks"):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The latency sweeps of one MoE layer on the GPUs of this machine, every method in the same run.
 # Usage: workflow/scripts/gpu_sweeps.sh OUTDIR [KIND ...]   (KIND: prefill decode train; default all)
+# SWEEP_DS (default "2 1"): the expert-parallel degrees to run, each ≤ the GPUs present.
 # Builds nothing: run workflow/scripts/build_baselines.sh first for MegaBlocks (Tutel: its own
 # install); missing baselines produce rows that say so.
 set -uo pipefail
@@ -11,9 +12,9 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 gpus=$(nvidia-smi -L | wc -l)
 # Tutel runs in a process of its own: at 2^16 tokens it has hit an illegal memory access, which
 # ends the CUDA context of the process (results/nvidia-h200/README.md).
-groups=("occult occult-nd2 occult-nd1 naive megablocks hf fsdp" "tutel")
+groups=("occult occult-graph occult-nd2 occult-nd1 naive megablocks hf fsdp" "tutel")
 for kind in $kinds; do
-  for D in 2 1; do
+  for D in ${SWEEP_DS:-2 1}; do
     [ "$D" -le "$gpus" ] || continue
     parts=()
     for g in 0 1; do

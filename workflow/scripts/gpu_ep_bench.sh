@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The EP runtime's benchmark (issue 3) on all GPUs of this machine, every Occult variant in one run:
+# OLMoE layer shape (d=2048, expert ffn 1024, E=64, k=8), bf16, prefill 2^10 … 2^16 tokens per
+# GPU, routing uniform and replayed from a measured trace of our model (widened to 64 experts,
+# `occult.sweep.TraceRouter`); per-phase times (dispatch, expert kernels, combine), wire bytes,
+# pairs per GPU; plus forward+backward at 2^14 tokens and the bf16 matmul peak of the same GPU.
+# Usage: workflow/scripts/gpu_ep_bench.sh OUTDIR ROUTING_NPZ
+set -uo pipefail
+out=${1:?usage: gpu_ep_bench.sh OUTDIR ROUTING_NPZ}; trace=${2:?routing_heldout.npz of occult.profiling}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+gpus=$(nvidia-smi -L | wc -l)
+methods="occult occult-pe occult-trivial occult-static occult-graph occult-nd2 occult-nd1 occult-compute"
+python3 - "$out/peak.csv" <<'PY'
+import sys, statistics, torch
+a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+times = []
+for i in range(30):
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record(); a @ b; e.record(); e.synchronize()
+    if i >= 10: times.append(s.elapsed_time(e))
+ms = statistics.median(times)
+tflops = 2 * 8192**3 / ms / 1e9
+open(sys.argv[1], "w").write(f"gpu,op,median_ms,tflops\n{torch.cuda.get_device_name()},bf16 matmul 8192^3,{ms:.4f},{tflops:.1f}\n")
+print(f"bf16 peak: {tflops:.0f} TFLOP/s")
+PY
+for routing in uniform trace; do
+  echo "== ep bench prefill routing=$routing D=$gpus ($(date -u +%T))"
+  timeout 420 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind prefill --shapes olmoe --no-shared \
+    --routing "$routing" --trace "$trace" --methods $methods --repeats 20 --warmup 5 --timeout-s 120 \
+    --out "$out/ep_prefill_${routing}_D${gpus}.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -14
+done
+echo "== ep bench train (fwd+bwd, 32 x 512 = 2^14 tokens) D=$gpus ($(date -u +%T))"
+timeout 300 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind train --shapes olmoe --no-shared \
+  --routing uniform --sizes 32 --methods occult occult-pe occult-static occult-graph occult-nd1 occult-compute \
+  --repeats 20 --warmup 5 --timeout-s 120 --out "$out/ep_train_uniform_D${gpus}.csv" 2>&1 \
+  | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -10
+echo "== ep bench done ($(date -u +%T))"
