@@ -872,7 +872,8 @@ def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method
                 y = method.forward(x, ids, gate)
                 if shared is not None:
                     y = y + shared(x)
-                y.backward(inputs.dy_TD)
+                # `-compute` returns the received rows' outputs [R, d]: any upstream gradient will do.
+                y.backward(inputs.dy_TD if y.shape == inputs.dy_TD.shape else torch.ones_like(y))
             else:
                 with torch.no_grad():
                     y = method.forward(inputs.x_TD, ids, gate)
