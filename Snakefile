@@ -27,6 +27,7 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/gpu.smk"
+include: "workflow/rules/simulate.smk"
 
 
 rule all:

@@ -327,9 +327,9 @@ def _bench_rank(rank: int, world: int, job: BenchJob) -> list[dict[str, Any]]:
     """All settings on one rank; rank 0 returns the rows. The check runs once per (layer, case),
     at the smallest non-zero T; its errors are copied to that case's rows."""
     import torch
-    from tqdm import tqdm
 
     from occult.ep.layer import get_backend
+    from occult.logs import progress
 
     shape = job.shape
     backend = get_backend(job.backend)
@@ -340,7 +340,7 @@ def _bench_rank(rank: int, world: int, job: BenchJob) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     total = len(job.layers) * len(job.cases) * (1 + len(job.tokens_per_rank) * len(MODES))
-    bar = tqdm(total=total, desc=f"bench D={world}", unit="step", disable=rank != 0)
+    bar = progress(total, desc=f"bench D={world}", unit="step", disable=rank != 0)
     for li, layer in enumerate(job.layers):
         for ci, case in enumerate(job.cases):
             where = f"layer {layer}, case {case.name} ({case.placement})"
@@ -367,6 +367,8 @@ def _bench_rank(rank: int, world: int, job: BenchJob) -> list[dict[str, Any]]:
                         "max_abs_err_out": errors[mode][0], "max_abs_err_grad": errors[mode][1],
                         "checked_tokens_per_rank": check_tokens,
                     })
+                    bar.log(layer=layer, case=case.name, mode=mode, tokens_per_rank=tokens,
+                            fwd_ms=fwd_ms, fwd_bwd_ms=fwd_bwd_ms)
                     bar.update(1)
     bar.close()
     return rows

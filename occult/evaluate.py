@@ -3,10 +3,14 @@
 Runs `lm_eval.simple_evaluate` with `HFLM` on the model instance over task YAMLs generated from
 the data stage's evaluation sets; lm-eval's own results JSON is kept, and a summary with
 accuracy, standard error and chance level per task is added for the report.
+Progress: lm-eval batches the requests of all tasks together, so the progress records count the
+model's forward calls (batches) and tokens, without a known total; each task's score is logged as
+a `score` event when the run ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
@@ -14,11 +18,28 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from occult.config import Config, parse_variant
+from occult.logs import Progress, log_event, progress
 from occult.provenance import provenance, seed_everything, write_json
 
 log = logging.getLogger(__name__)
+
+
+def count_forward_calls(model: nn.Module, bar: Progress):
+    """A forward pre-hook on `model` that advances `bar` by one batch and counts its tokens;
+    returns the hook handle (`.remove()` it)."""
+    seen = {"tokens": 0}
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        input_ids = args[0] if args else kwargs.get("input_ids")
+        if isinstance(input_ids, torch.Tensor):
+            seen["tokens"] += input_ids.numel()
+            bar.log(tokens=seen["tokens"])
+        bar.update(1)
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, profile_dir: Path,
@@ -43,17 +64,22 @@ def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
         task_dir = make_task_dir(data_dir / "eval", tasks, Path(tmp))
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.evaluate.batch_size,
                   max_length=cfg.model.max_seq_len)
-        out = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=[TASK_NAMES[t] for t in tasks],
-            task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
-            bootstrap_iters=100,        # acc has a closed-form stderr; no bootstrap is drawn for it
-            limit=limit,
-            random_seed=cfg.seed,
-            numpy_random_seed=cfg.seed,
-            torch_random_seed=cfg.seed,
-            log_samples=False,
-        )
+        with progress(None, desc=f"evaluate {variant.name}", unit="batch") as bar:
+            hook = count_forward_calls(model, bar)
+            try:
+                out = lm_eval.simple_evaluate(
+                    model=lm,
+                    tasks=[TASK_NAMES[t] for t in tasks],
+                    task_manager=TaskManager(include_path=str(task_dir), include_defaults=False),
+                    bootstrap_iters=100,        # acc has a closed-form stderr; no bootstrap is drawn for it
+                    limit=limit,
+                    random_seed=cfg.seed,
+                    numpy_random_seed=cfg.seed,
+                    torch_random_seed=cfg.seed,
+                    log_samples=False,
+                )
+            finally:
+                hook.remove()
     set_routing(model, None)
     scores = []
     for task in tasks:
@@ -67,6 +93,9 @@ def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
             "chance": CHANCE[task],
             "n": out.get("n-samples", {}).get(TASK_NAMES[task], {}).get("effective"),
         })
+        acc = scores[-1]["acc"]
+        log_event("score", f"variant {variant.name}, {task}: acc {'n/a' if acc is None else f'{acc:.4f}'}",
+                  variant=variant.name, **scores[-1])
     summary = {
         "variant": variant.name,
         "scores": scores,
@@ -79,3 +108,353 @@ def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
     write_json(out_json, json.loads(json.dumps(summary, default=str)))
     log.info("variant %s evaluated in %.1f s", variant.name, summary["elapsed_s"])
     return summary
+
+
+# --------------------------------------------------------------------------- the quality study: every arm, fast
+
+BATCH_TOKENS = 65_536          # padded tokens per forward of the batched scorer (GPU)
+
+
+def fast_lm(model, tokenizer, max_length: int, batch_tokens: int, token_cache: dict | None = None):
+    """An lm-eval `HFLM` over `model` whose log-likelihood scoring is batched for speed.
+
+    Same results as HFLM's (same tokenisation of each (context, continuation) pair, same left
+    truncation to `max_length`), computed differently: requests with the same input tokens share
+    one row (HFLM shares only one-token continuations); rows are sorted by length and packed into
+    batches of at most `batch_tokens` padded tokens; only continuation positions are
+    log-softmaxed, and each batch is read back with one device sync. On a GPU the forward runs
+    under bf16 autocast. `token_cache` (a dict shared between instances) keeps the tokenised
+    requests across models that share a tokenizer.
+    """
+    from lm_eval.models.huggingface import HFLM
+
+    cache = token_cache if token_cache is not None else {}
+
+    class BatchedHFLM(HFLM):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            encoded = []
+            for request in requests:
+                key = tuple(request.args)
+                if key not in cache:
+                    context, continuation = key
+                    if context == "":
+                        cont = self.tok_encode(continuation, add_special_tokens=False)
+                        pair = ([self.prefix_token_id], cont) if self.prefix_token_id != cont[0] else (cont[:1], cont[1:])
+                    else:
+                        pair = self._encode_pair(context, continuation)
+                    cache[key] = pair
+                encoded.append(cache[key])
+            return score_requests(self.model, encoded, self.max_length, batch_tokens, disable_tqdm)
+
+    return BatchedHFLM(pretrained=model, tokenizer=tokenizer, batch_size=1, max_length=max_length)
+
+
+@torch.no_grad()
+def score_requests(model, encoded: list[tuple[list[int], list[int]]], max_length: int, batch_tokens: int,
+                   disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    """(sum log p(continuation | context), continuation is the greedy decode) per request."""
+    from tqdm import tqdm
+
+    from occult.pretrain import autocast_for
+
+    device = next(model.parameters()).device
+    rows: dict[tuple[int, ...], int] = {}          # input tokens -> row index
+    row_of_request = []
+    for context, continuation in encoded:
+        if not continuation or len(continuation) > max_length:
+            raise ValueError(f"continuation of {len(continuation)} tokens (model length {max_length})")
+        inputs = tuple((context + continuation)[-(max_length + 1):][:-1])
+        row_of_request.append(rows.setdefault(inputs, len(rows)))
+    inputs_R = list(rows)
+    requests_of_row: list[list[int]] = [[] for _ in inputs_R]
+    for request, row in enumerate(row_of_request):
+        requests_of_row[row].append(request)
+    results: list[tuple[float, bool]] = [(0.0, False)] * len(encoded)
+    order = sorted(range(len(inputs_R)), key=lambda r: -len(inputs_R[r]))
+    bar = tqdm(total=len(encoded), desc="loglikelihood", disable=disable_tqdm, mininterval=2)
+    start = 0
+    while start < len(order):
+        width = len(inputs_R[order[start]])
+        stop = min(len(order), start + max(1, batch_tokens // width))
+        batch = order[start:stop]
+        ids_BS = torch.zeros(len(batch), width, dtype=torch.long)
+        for b, row in enumerate(batch):
+            ids_BS[b, : len(inputs_R[row])] = torch.tensor(inputs_R[row])
+        # (batch row, position, target, request) of every continuation token in this batch
+        pos_b, pos_s, targets, owner = [], [], [], []
+        batch_requests = [req for row in batch for req in requests_of_row[row]]
+        for b, row in enumerate(batch):
+            length = len(inputs_R[row])
+            for req in requests_of_row[row]:
+                cont = encoded[req][1]
+                pos_b += [b] * len(cont)
+                pos_s += range(length - len(cont), length)
+                targets += cont
+                owner += [req] * len(cont)
+        with autocast_for(device):
+            logits_BSV = model(input_ids=ids_BS.to(device), use_cache=False).logits
+        picked_NV = logits_BSV[torch.tensor(pos_b, device=device), torch.tensor(pos_s, device=device)].float()
+        target_N = torch.tensor(targets, device=device)
+        logp_N = torch.log_softmax(picked_NV, dim=-1).gather(1, target_N[:, None]).squeeze(1)
+        greedy_N = picked_NV.argmax(dim=-1) == target_N
+        slot = {req: i for i, req in enumerate(batch_requests)}
+        owner_N = torch.tensor([slot[r] for r in owner], device=device)
+        sums = torch.zeros(len(batch_requests), dtype=torch.float64, device=device).index_add_(0, owner_N, logp_N.double())
+        misses = torch.zeros(len(batch_requests), dtype=torch.long, device=device).index_add_(0, owner_N, (~greedy_N).long())
+        for req, total, miss in zip(batch_requests, sums.tolist(), misses.tolist()):
+            results[req] = (total, miss == 0)
+        bar.update(len(batch_requests))
+        start = stop
+    bar.close()
+    return results
+
+
+@contextlib.contextmanager
+def request_cache(path: Path):
+    """Point lm-eval's request cache at `path` for the duration (restored afterwards)."""
+    from lm_eval.caching import cache as lm_cache
+
+    previous = lm_cache.PATH
+    path.mkdir(parents=True, exist_ok=True)
+    lm_cache.PATH = str(path)
+    try:
+        yield
+    finally:
+        lm_cache.PATH = previous
+
+
+def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path, data_dir: Path, profile_dir: Path,
+                  placements_dir: Path, out_dir: Path, time_limit_s: float | None = None, limit: int | None = None,
+                  batch_tokens: int = BATCH_TOKENS) -> list[str]:
+    """lm-eval every arm of the quality study in one process; arm `a` is read from
+    `arms_root/<a.name>` (`raw`: `base_model_dir`) and scored into `out_dir/<a.name>.json` in the
+    format of `evaluate`. Tasks are built once (lm-eval's request cache, kept in a temporary
+    folder for this call) and tokenised once. Arms already scored are skipped; no new arm starts
+    after `time_limit_s`. Returns the names of the arms still missing."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from occult.evaltasks import CHANCE, TASK_NAMES, make_task_dir
+    from occult.models import load_checkpoint, set_routing
+    from occult.variants import arm_config, routing_for_variant
+
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    todo = [a for a in arms if not (out_dir / f"{a.name}.json").is_file()]
+    missing: list[str] = []
+    tasks = list(cfg.data.eval_tasks)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    token_cache: dict = {}
+    with tempfile.TemporaryDirectory(prefix="occult-tasks-") as tmp, request_cache(Path(tmp) / "requests"):
+        task_manager = TaskManager(include_path=str(make_task_dir(data_dir / "eval", tasks, Path(tmp) / "tasks")),
+                                   include_defaults=False)
+        for arm in todo:
+            if deadline is not None and time.monotonic() >= deadline:
+                missing.append(arm.name)
+                continue
+            arm_cfg = arm_config(cfg, arm)
+            seed_everything(arm_cfg.seed)
+            model_dir = base_model_dir if arm.name == "raw" else arms_root / arm.name
+            model, tokenizer = load_checkpoint(model_dir, device=device)
+            model.eval()
+            set_routing(model, routing_for_variant(arm_cfg, arm.variant, placements_dir, profile_dir))
+            start = time.perf_counter()
+            lm = fast_lm(model, tokenizer, arm_cfg.model.max_seq_len, batch_tokens, token_cache)
+            out = lm_eval.simple_evaluate(
+                model=lm, tasks=[TASK_NAMES[t] for t in tasks], task_manager=task_manager,
+                bootstrap_iters=100, limit=limit, cache_requests=True,
+                random_seed=arm_cfg.seed, numpy_random_seed=arm_cfg.seed, torch_random_seed=arm_cfg.seed,
+                log_samples=False,
+            )
+            set_routing(model, None)
+            scores = [{
+                "task": task,
+                "acc": out["results"][TASK_NAMES[task]].get("acc,none"),
+                "acc_stderr": out["results"][TASK_NAMES[task]].get("acc_stderr,none"),
+                "acc_norm": out["results"][TASK_NAMES[task]].get("acc_norm,none"),
+                "acc_norm_stderr": out["results"][TASK_NAMES[task]].get("acc_norm_stderr,none"),
+                "chance": CHANCE[task],
+                "n": out.get("n-samples", {}).get(TASK_NAMES[task], {}).get("effective"),
+            } for task in tasks]
+            summary = {
+                "variant": arm.variant,
+                "arm": arm.name,
+                "setting": {"devices": arm.devices, "gate_weights": arm.gate_weights, "train_modules": arm.train_modules},
+                "scores": scores,
+                "elapsed_s": time.perf_counter() - start,
+                "provenance": provenance(arm_cfg.hash(), arm_cfg.seed, stage="evaluate", variant=arm.variant,
+                                         arm=arm.name, scorer="occult.evaluate.fast_lm (batched HFLM)"),
+                "lm_eval": {"results": out["results"], "configs": out.get("configs"), "versions": out.get("versions"),
+                            "n-samples": out.get("n-samples"), "config": out.get("config")},
+            }
+            write_json(out_dir / f"{arm.name}.json", json.loads(json.dumps(summary, default=str)))
+            log.info("arm %s evaluated in %.1f s", arm.name, summary["elapsed_s"])
+            del model, lm
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m occult.evaluate --config C --model BASE --arms ROOT --data D --profile P
+    --placements DIR --out DIR [--time-limit S] [--limit N]`: every arm of the quality study.
+    `python -m occult.evaluate --summarise RESULTS --figures DIR`: its tables, verdicts and figure."""
+    import argparse
+    import sys
+
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--summarise"]:
+        summary_parser = argparse.ArgumentParser(prog="python -m occult.evaluate --summarise")
+        summary_parser.add_argument("--summarise", required=True, metavar="RESULTS")
+        summary_parser.add_argument("--figures", required=True)
+        summary_args = summary_parser.parse_args(argv)
+        summarise_arms(Path(summary_args.summarise), Path(summary_args.figures))
+        return 0
+
+    from occult.config import load_config
+    from occult.variants import quality_arms
+
+    parser = argparse.ArgumentParser(prog="python -m occult.evaluate", description=main.__doc__)
+    for flag in ("--config", "--model", "--arms", "--data", "--profile", "--placements", "--out"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--time-limit", type=float, default=None, help="start no arm after this many seconds")
+    parser.add_argument("--limit", type=int, default=None, help="examples per task (smoke tests only)")
+    parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config)
+    missing = evaluate_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.arms), Path(args.data),
+                            Path(args.profile), Path(args.placements), Path(args.out), args.time_limit,
+                            args.limit, args.batch_tokens)
+    if missing:
+        print(f"evaluate: time limit reached; {len(missing)} arms left ({', '.join(missing)}); run again",
+              file=sys.stderr)
+        return 3
+    return 0
+
+
+# --------------------------------------------------------------------------- the quality study's tables (CPU)
+
+
+def arms_accuracy_table(eval_dir: Path) -> "pd.DataFrame":
+    """One row per scored arm (file order of `quality_arms`-named JSONs): setting columns, `acc` and
+    `acc_stderr` per task, `average` (unweighted over tasks) and its stderr (tasks independent)."""
+    import math
+
+    import pandas as pd
+
+    rows = []
+    for path in sorted(Path(eval_dir).glob("*.json")):
+        summary = json.loads(path.read_text())
+        if "scores" not in summary:
+            raise ValueError(f"{path}: not an evaluation summary (no 'scores')")
+        setting = summary.get("setting", {})
+        row = {"arm": summary.get("arm", path.stem), "variant": summary["variant"], **setting}
+        errors = []
+        for score in summary["scores"]:
+            row[score["task"]] = score["acc"]
+            row[f"{score['task']}_stderr"] = score["acc_stderr"]
+            errors.append(score["acc_stderr"] or 0.0)
+        tasks = [s["task"] for s in summary["scores"]]
+        row["average"] = sum(row[t] for t in tasks) / len(tasks)
+        row["average_stderr"] = math.sqrt(sum(e * e for e in errors)) / len(tasks)
+        rows.append(row)
+    if not rows:
+        raise FileNotFoundError(f"{eval_dir}: no evaluation JSON files")
+    rows.sort(key=_paper_order)
+    chance = {s["task"]: s["chance"] for s in json.loads(next(Path(eval_dir).glob("*.json")).read_text())["scores"]}
+    rows.append({"arm": "chance", "variant": "chance", **chance, "average": sum(chance.values()) / len(chance)})
+    return pd.DataFrame(rows)
+
+
+def _paper_order(row: dict) -> tuple:
+    """raw, SFT, then pruned variants by D, N_d (descending) and method; ablations last."""
+    variant = parse_variant(row["variant"])
+    return (variant.trains, variant.max_devices is not None, row.get("gate_weights", "keep") != "keep",
+            row.get("train_modules", "moe") != "moe", row.get("devices", 0), -(variant.max_devices or 0),
+            variant.method or "", row["arm"])
+
+
+def claim_verdicts(table: "pd.DataFrame") -> list[dict]:
+    """A verdict per paper claim from the arms table (differences of task-averaged accuracy, with
+    the stderr of a difference of independent averages; "holds" needs 2 standard errors)."""
+    import math
+
+    by_arm = table.set_index("arm")
+
+    def avg(arm: str) -> tuple[float, float] | None:
+        return (by_arm.at[arm, "average"], by_arm.at[arm, "average_stderr"]) if arm in by_arm.index else None
+
+    def diff(a: str, b: str) -> dict | None:
+        if avg(a) is None or avg(b) is None:
+            return None
+        (ma, sa), (mb, sb) = avg(a), avg(b)
+        return {"a": a, "b": b, "diff": ma - mb, "stderr": math.sqrt(sa * sa + sb * sb)}
+
+    pruned = table[table["variant"].str.startswith("prune") & (table.get("gate_weights") == "keep")
+                   & (table.get("train_modules") == "moe")]
+    verdicts = []
+    within2 = [d for d in (diff(a, "sft-moe") for a in pruned[pruned["variant"].str.startswith("prune2")]["arm"]) if d]
+    verdicts.append({
+        "claim": "pruning within 2 devices is about as good as standard fine-tuning",
+        "comparisons": within2,
+        "verdict": "holds" if within2 and all(d["diff"] >= -2 * d["stderr"] for d in within2) else
+                   ("does not hold" if within2 else "not measured"),
+    })
+    within1 = [d for d in (diff(a, "sft-moe") for a in pruned[pruned["variant"].str.startswith("prune1")]["arm"]) if d]
+    verdicts.append({
+        "claim": "pruning within 1 device hurts",
+        "comparisons": within1,
+        "verdict": "holds" if within1 and all(d["diff"] < -2 * d["stderr"] for d in within1) else
+                   ("does not hold (no loss beyond 2 standard errors)" if within1 else "not measured"),
+    })
+    pairs = [d for d in (diff(a, a.replace("-sim-", "-router-")) for a in pruned["arm"] if "-sim-" in a) if d]
+    mean = sum(d["diff"] for d in pairs) / len(pairs) if pairs else 0.0
+    spread = math.sqrt(sum(d["stderr"] ** 2 for d in pairs)) / len(pairs) if pairs else 0.0
+    verdicts.append({
+        "claim": "similarity-based pruning beats router-score-based pruning",
+        "comparisons": pairs,
+        "mean_diff": mean, "mean_diff_stderr": spread,
+        "verdict": "not measured" if not pairs else "holds" if mean > 2 * spread else
+                   "does not hold" if mean < -2 * spread else "inconclusive (within 2 standard errors)",
+    })
+    return verdicts
+
+
+def summarise_arms(results_dir: Path, figures_dir: Path) -> None:
+    """From `results_dir/evaluate/*.json` (committed GPU results): `tables/accuracy.csv` (arms x
+    tasks with averages, the paper's layout), `tables/verdicts.json` and `figures_dir/accuracy.png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from occult.provenance import atomic_path, write_csv
+
+    results_dir, figures_dir = Path(results_dir), Path(figures_dir)
+    table = arms_accuracy_table(results_dir / "evaluate")
+    meta = provenance(None, None, stage="summarise", source=str(results_dir / "evaluate"))
+    write_csv(results_dir / "tables" / "accuracy.csv", table, meta)
+    write_json(results_dir / "tables" / "verdicts.json", {"provenance": meta, "verdicts": claim_verdicts(table)})
+    tasks = [c for c in table.columns if f"{c}_stderr" in table.columns and c != "average"]
+    arms = table[table["arm"] != "chance"]
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(tasks) + 2), 5))
+    width = 0.8 / max(1, len(arms))
+    for i, (_, row) in enumerate(arms.iterrows()):
+        xs = [t + i * width for t in range(len(tasks) + 1)]
+        ax.bar(xs, [row[t] for t in tasks] + [row["average"]], width,
+               yerr=[row[f"{t}_stderr"] for t in tasks] + [row["average_stderr"]], label=row["arm"], capsize=1)
+    chance = table[table["arm"] == "chance"].iloc[0]
+    for t, task in enumerate(tasks + ["average"]):
+        ax.hlines(chance[task], t - 0.1, t + 0.9, colors="black", linestyles="dotted")
+    ax.set_xticks([t + 0.4 for t in range(len(tasks) + 1)], tasks + ["average"], rotation=30, ha="right")
+    ax.set_ylabel("accuracy (dotted: chance)")
+    ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    with atomic_path(figures_dir / "accuracy.png") as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,6 +3,9 @@
 Instruction pairs are formatted as a prompt and a response; the loss covers response tokens only.
 `train_modules: moe` trains routers and experts (the paper fine-tunes the MoE modules);
 `all` trains every parameter. Every variant sees the same data order, steps and seed.
+On a GPU the forward runs under bf16 autocast with fused AdamW; CPU runs stay fp32.
+`finetune_arms` (and `python -m occult.finetune`) runs all arms of the quality study in one
+process, resumably.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -17,12 +21,13 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from occult.config import Config, parse_variant
+from occult.config import Config, Variant, parse_variant
 from occult.provenance import atomic_path, provenance, seed_everything, write_csv
 
 log = logging.getLogger(__name__)
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+LOG_FLUSH_STEPS = 50
 
 
 def load_pairs(path: Path) -> list[dict]:
@@ -72,6 +77,69 @@ def trainable_parameters(model, train_modules: str) -> list[torch.nn.Parameter]:
     return params
 
 
+def train_variant(model, tokenizer, cfg: Config, variant: Variant, ids: torch.Tensor, labels: torch.Tensor,
+                  desc: str) -> list[dict]:
+    """Fine-tune `model` in place under the variant's routing; returns one log row per step."""
+    from occult.models import set_routing
+    from occult.pretrain import autocast_for
+
+    ft = cfg.finetune
+    device = next(model.parameters()).device
+    rows: list[dict] = []
+    if not (variant.trains and ft.steps > 0):
+        return rows
+    params = trainable_parameters(model, ft.train_modules)
+    opt = torch.optim.AdamW(params, lr=ft.lr, weight_decay=0.0, **({"fused": True} if device.type == "cuda" else {}))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    order = torch.cat([torch.randperm(len(ids), generator=gen)
+                       for _ in range(math.ceil(ft.steps * ft.batch_size / len(ids)) + 1)])
+    pad = tokenizer.pad_token_id
+    start = time.perf_counter()
+    pending: list[tuple[dict, torch.Tensor]] = []
+    model.train()
+    for step in tqdm(range(ft.steps), desc=desc, mininterval=2):
+        batch = order[step * ft.batch_size : (step + 1) * ft.batch_size]
+        lr = ft.lr * 0.5 * (1 + math.cos(math.pi * step / ft.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        attention = (labels[batch] != -100) | (ids[batch] != pad)
+        with autocast_for(device):
+            out = model(input_ids=ids[batch].to(device), attention_mask=attention.long().to(device),
+                        labels=labels[batch].to(device))
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        row = {"step": step, "loss": float("nan"), "lr": lr, "elapsed_s": time.perf_counter() - start}
+        pending.append((row, out.loss.detach()))
+        if len(pending) >= LOG_FLUSH_STEPS or step + 1 == ft.steps:
+            for r, loss in pending:       # one device sync per LOG_FLUSH_STEPS steps
+                r["loss"] = float(loss)
+            pending.clear()
+        rows.append(row)
+    model.eval()
+    model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    set_routing(model, None)
+    return rows
+
+
+def save_variant(model, tokenizer, meta: dict, out_dir: Path, log_csv: Path, rows: list[dict]) -> None:
+    with atomic_path(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "occult_variant.json").write_text(json.dumps(meta, indent=2, default=str))
+    write_csv(log_csv, pd.DataFrame(rows, columns=["step", "loss", "lr", "elapsed_s"]), meta)
+
+
+def variant_meta(cfg: Config, variant: Variant, **extra) -> dict:
+    ft = cfg.finetune
+    return provenance(cfg.hash(), cfg.seed, stage="finetune", variant=variant.name,
+                      max_devices=variant.max_devices, method=variant.method, devices=ft.devices,
+                      gate_weights=ft.gate_weights, train_modules=ft.train_modules, steps=ft.steps, **extra)
+
+
 def finetune(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, profile_dir: Path,
              placements_dir: Path, out_dir: Path, log_csv: Path) -> None:
     """Fine-tune one variant and save it (checkpoint + tokenizer + `occult_variant.json`)."""
@@ -79,46 +147,86 @@ def finetune(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
     from occult.variants import routing_for_variant
 
     variant = parse_variant(variant_name)
-    ft = cfg.finetune
     seed_everything(cfg.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model, tokenizer = load_checkpoint(model_dir, device=device)
-    routing = routing_for_variant(cfg, variant, placements_dir, profile_dir)
-    set_routing(model, routing)
-    rows: list[dict] = []
     start = time.perf_counter()
-    if variant.trains and ft.steps > 0:
-        pairs = load_pairs(data_dir / "instructions.jsonl")
-        ids, labels = encode_pairs(pairs, tokenizer, ft.seq_len)
-        params = trainable_parameters(model, ft.train_modules)
-        opt = torch.optim.AdamW(params, lr=ft.lr, weight_decay=0.0)
-        gen = torch.Generator().manual_seed(cfg.seed)
-        order = torch.cat([torch.randperm(len(ids), generator=gen)
-                           for _ in range(math.ceil(ft.steps * ft.batch_size / len(ids)) + 1)])
-        model.train()
-        for step in tqdm(range(ft.steps), desc=f"finetune {variant.name}", mininterval=2):
-            batch = order[step * ft.batch_size : (step + 1) * ft.batch_size]
-            lr = ft.lr * 0.5 * (1 + math.cos(math.pi * step / ft.steps))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            attention = (labels[batch] != -100) | (ids[batch] != tokenizer.pad_token_id)
-            out = model(input_ids=ids[batch].to(device), attention_mask=attention.long().to(device),
-                        labels=labels[batch].to(device))
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            rows.append({"step": step, "loss": float(out.loss), "lr": lr,
-                         "elapsed_s": time.perf_counter() - start})
-        model.eval()
+    rows: list[dict] = []
+    routing = routing_for_variant(cfg, variant, placements_dir, profile_dir)   # bad placement/profile: fail first
+    if variant.trains and cfg.finetune.steps > 0:
+        ids, labels = encode_pairs(load_pairs(data_dir / "instructions.jsonl"), tokenizer, cfg.finetune.seq_len)
+        set_routing(model, routing)
+        rows = train_variant(model, tokenizer, cfg, variant, ids, labels, desc=f"finetune {variant.name}")
     set_routing(model, None)
-    meta = provenance(cfg.hash(), cfg.seed, stage="finetune", variant=variant.name,
-                      max_devices=variant.max_devices, method=variant.method,
-                      gate_weights=ft.gate_weights, train_modules=ft.train_modules, steps=ft.steps)
-    with atomic_path(out_dir) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "occult_variant.json").write_text(json.dumps(meta, indent=2, default=str))
-    write_csv(log_csv, pd.DataFrame(rows, columns=["step", "loss", "lr", "elapsed_s"]), meta)
+    save_variant(model, tokenizer, variant_meta(cfg, variant), out_dir, log_csv, rows)
     log.info("variant %s: %d steps in %.1f s", variant.name, len(rows), time.perf_counter() - start)
 
+
+def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, profile_dir: Path,
+                  placements_dir: Path, out_root: Path, logs_root: Path,
+                  time_limit_s: float | None = None) -> list[str]:
+    """Fine-tune every arm of the quality study in one process (data encoded once, the base
+    weights reloaded from memory for each arm). Arm `a` goes to `out_root/<a.name>` with its loss
+    log at `logs_root/<a.name>_log.csv`; `raw` is the base model itself and is skipped. Arms whose
+    output exists are skipped (resumable); no new arm starts after `time_limit_s`.
+    Returns the names of the arms still missing."""
+    from occult.models import load_checkpoint, set_routing
+    from occult.variants import arm_config, routing_for_variant
+
+    deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+    todo = [a for a in arms if parse_variant(a.variant).trains and not (out_root / a.name).is_dir()]
+    if not todo:
+        return []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer = load_checkpoint(model_dir, device=device)
+    base_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    pairs = load_pairs(data_dir / "instructions.jsonl")
+    missing = []
+    for arm in tqdm(todo, desc="arms", unit="arm"):
+        if deadline is not None and time.monotonic() >= deadline:
+            missing.append(arm.name)
+            continue
+        arm_cfg = arm_config(cfg, arm)
+        variant = parse_variant(arm.variant)
+        seq_len = arm_cfg.finetune.seq_len
+        if seq_len not in encoded:
+            encoded[seq_len] = encode_pairs(pairs, tokenizer, seq_len)
+        seed_everything(arm_cfg.seed)
+        model.load_state_dict(base_state)
+        start = time.perf_counter()
+        set_routing(model, routing_for_variant(arm_cfg, variant, placements_dir, profile_dir))
+        rows = train_variant(model, tokenizer, arm_cfg, variant, *encoded[seq_len], desc=f"finetune {arm.name}")
+        meta = variant_meta(arm_cfg, variant, arm=arm.name)
+        save_variant(model, tokenizer, meta, out_root / arm.name, logs_root / f"{arm.name}_log.csv", rows)
+        log.info("arm %s: %d steps in %.1f s", arm.name, len(rows), time.perf_counter() - start)
+    return missing
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m occult.finetune --config C --model M --data D --profile P --placements DIR
+    --out ROOT --logs LOGDIR [--time-limit S]`: every arm of the quality study."""
+    import argparse
+    import logging as logging_
+
+    from occult.config import load_config
+    from occult.variants import quality_arms
+
+    parser = argparse.ArgumentParser(prog="python -m occult.finetune", description=main.__doc__)
+    for flag in ("--config", "--model", "--data", "--profile", "--placements", "--out", "--logs"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--time-limit", type=float, default=None, help="start no arm after this many seconds")
+    args = parser.parse_args(argv)
+    logging_.basicConfig(level=logging_.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = load_config(args.config)
+    missing = finetune_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.data), Path(args.profile),
+                            Path(args.placements), Path(args.out), Path(args.logs), args.time_limit)
+    if missing:
+        print(f"finetune: time limit reached; {len(missing)} arms left ({', '.join(missing)}); run again",
+              file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,15 @@
-"""Figures and a speedup table from committed GPU sweep results (runs on a CPU machine).
+"""Figures and tables from committed GPU results (runs on a CPU machine).
 
-Reads `results/<machine>/<run>/sweep_<kind>_D<D>.csv` (written by `occult.sweep` on the GPU
-machine) and writes to `figures/<machine>/<run>/`: latency vs tokens per shape (prefill), step
-time vs batch (train), latency vs batch (decode), and speedup bars of Occult against MegaBlocks
-and Tutel at 2^14 tokens/GPU; plus `results/<machine>/<run>/speedups.csv`.
+Sweeps (`--run-dir results/<machine>/sweeps_<v>`): reads `sweep_<kind>_D<D>.csv` (written by
+`occult.sweep` on the GPU machine) and writes to `figures/<machine>/sweeps_<v>/`: latency vs
+tokens per shape (prefill), step time vs batch (train), latency vs batch (decode), and speedup
+bars of Occult against MegaBlocks and Tutel at 2^14 tokens/GPU; plus `speedups.csv`.
+
+EP benchmark (`--ep`, `--run-dir results/<machine>/ep_<v>`, from `workflow/scripts/gpu_ep_bench.sh`):
+reads `ep_<kind>_<routing>_D<D>.csv` and `peak.csv`; writes `summary.csv` (per method and size:
+phases, expert TFLOP/s and % of the measured bf16 peak, wire bytes, the NCCL time of those bytes),
+`targets.csv` (the runtime's performance targets at 2^14 tokens/GPU, measured ratio and verdict)
+and figures (latency vs tokens, phase breakdown at 2^14).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from occult.provenance import atomic_path, write_csv  # noqa: E402
 SIZE_COLUMN = {"prefill": "tokens_per_gpu", "decode": "batch", "train": "batch"}
 XLABEL = {"prefill": "tokens per GPU", "decode": "sequences per GPU (one token each)",
           "train": "batch (sequences of 512 tokens) per GPU"}
-OCCULT = ("occult", "occult-nd2", "occult-nd1")
+OCCULT = ("occult", "occult-graph", "occult-nd2", "occult-nd1")
 REFERENCE_TOKENS = 16384
 
 
@@ -48,7 +54,7 @@ def plot_kind(frame: pd.DataFrame, kind: str, path: Path) -> None:
         part = ok[(ok["shape"] == shape) & (ok["D"] == devices)]
         for method, g in part.groupby("method"):
             g = g.sort_values(SIZE_COLUMN[kind])
-            style = "-o" if method in OCCULT else "--x"
+            style = "-o" if method.startswith("occult") else "--x"
             ax.plot(g[SIZE_COLUMN[kind]], g["median_ms"], style, ms=3, label=method)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -67,7 +73,7 @@ def speedups(frame: pd.DataFrame, tokens: int = REFERENCE_TOKENS) -> pd.DataFram
     for (shape, devices), g in ok.groupby(["shape", "D"]):
         times = g.set_index("method")["median_ms"]
         for occult in [m for m in OCCULT if m in times]:
-            for base in [m for m in times.index if m not in OCCULT]:
+            for base in [m for m in times.index if not m.startswith("occult")]:
                 rows.append({"shape": shape, "D": devices, "tokens_per_gpu": tokens, "occult": occult,
                              "baseline": base, "occult_ms": times[occult], "baseline_ms": times[base],
                              "speedup": times[base] / times[occult]})
@@ -95,12 +101,145 @@ def make_gpu_report(run_dir: Path, figures_dir: Path) -> None:
         plot_speedups(table, figures_dir / "speedups.png")
 
 
+# ----------------------------------------------------------------------------------------------
+# The EP runtime's benchmark (issue 3)
+
+# `all_to_all_single` algbw (whole buffer / time) on 2×H200 NVLink, DESIGN.md's measurement.
+NCCL_ALLTOALL_2GPU = ((2**20, 25.0), (2**24, 308.0), (2**26, 475.0), (2**28, 560.0), (2**30, 660.0))
+TARGETS = {"kernels_pct_peak": 0.80, "exact_over_per_expert": 1.4, "nd1_over_compute": 1.15}
+
+
+def nccl_algbw_gbs(nbytes: float, curve=NCCL_ALLTOALL_2GPU) -> float:
+    """Interpolated (log size) algbw in GB/s; clamped to the curve's ends."""
+    import math
+
+    sizes, rates = zip(*curve)
+    if nbytes <= sizes[0]:
+        return rates[0] * nbytes / sizes[0]       # latency-bound below the curve: time stays flat
+    if nbytes >= sizes[-1]:
+        return rates[-1]
+    for (s0, r0), (s1, r1) in zip(curve[:-1], curve[1:]):
+        if s0 <= nbytes <= s1:
+            w = (math.log(nbytes) - math.log(s0)) / (math.log(s1) - math.log(s0))
+            return r0 + w * (r1 - r0)
+    return rates[-1]
+
+
+def load_ep(run_dir: Path) -> tuple[pd.DataFrame, float]:
+    frames = [pd.read_csv(p).assign(run=p.stem) for p in sorted(run_dir.glob("ep_*_D*.csv"))]
+    if not frames:
+        raise FileNotFoundError(f"{run_dir}: no ep_*_D*.csv files")
+    peak_file = run_dir / "peak.csv"
+    if not peak_file.is_file():
+        raise FileNotFoundError(f"{peak_file}: the bf16 peak of the same GPU is missing")
+    return pd.concat(frames, ignore_index=True), float(pd.read_csv(peak_file)["tflops"].iloc[0])
+
+
+def ep_summary(frame: pd.DataFrame, peak_tflops: float) -> pd.DataFrame:
+    """Per (kind, routing, method, tokens): times, expert TFLOP/s (experts phase, or the whole step
+    for `-compute`), % of peak, wire bytes and their NCCL time on the measured algbw curve."""
+    ok = frame[frame["status"] == "ok"].copy()
+    passes = ok["kind"].map({"train": 3.0}).fillna(1.0)              # fwd+bwd = 3 GEMM passes
+    flops = 2.0 * ok["pairs_received_max"] * 3 * ok["hidden"] * ok["ffn"] * passes
+    compute_only = ok["method"].str.endswith("-compute")
+    expert_ms = ok["experts_ms"].where(~compute_only, ok["median_ms"])
+    ok["expert_tflops"] = flops / expert_ms / 1e9
+    ok["pct_of_peak"] = ok["expert_tflops"] / peak_tflops
+    ok["flop_floor_ms"] = flops / peak_tflops / 1e9
+    devices = ok["D"].clip(lower=2)
+    # bytes_sent = remote bytes of both directions; the NCCL buffer also holds the local share.
+    buffer_each_way = ok["bytes_sent"] / 2 * devices / (devices - 1)
+    ok["nccl_comm_ms"] = [2 * b / nccl_algbw_gbs(b) / 1e6 if b > 0 else 0.0 for b in buffer_each_way]
+    keep = ["run", "kind", "routing", "method", "D", "tokens_per_gpu", "batch", "median_ms", "dispatch_ms", "experts_ms",
+            "combine_ms", "bytes_sent", "nccl_comm_ms", "mean_devices_per_token", "pairs_received_max",
+            "expert_tflops", "pct_of_peak", "flop_floor_ms", "max_rel_err", "peak_mem_gib"]
+    return ok[keep].sort_values(["run", "method", "tokens_per_gpu"]).reset_index(drop=True)
+
+
+def ep_targets(summary: pd.DataFrame, tokens: int = REFERENCE_TOKENS) -> pd.DataFrame:
+    """The runtime's three performance targets at `tokens` per GPU, per run file (one CSV = one
+    torchrun: every ratio compares methods measured side by side in the same run)."""
+    rows = []
+    for (run, kind, routing), g in summary[summary["tokens_per_gpu"] == tokens].groupby(["run", "kind", "routing"]):
+        t = g.set_index("method")["median_ms"]
+        pct = g.set_index("method")["pct_of_peak"]
+
+        def add(target: str, value: float | None, goal: float, how: str, higher_is_better: bool = True) -> None:
+            if value is None or pd.isna(value):
+                return
+            met = value >= goal if higher_is_better else value <= goal
+            rows.append({"run": run, "kind": kind, "routing": routing, "tokens_per_gpu": tokens, "target": target,
+                         "measured": value, "goal": goal, "met": bool(met), "how": how})
+
+        if "occult-compute" in pct:
+            add("expert kernels, fraction of bf16 peak", pct["occult-compute"], TARGETS["kernels_pct_peak"],
+                "occult-compute: the grouped kernels alone on each GPU's received pairs")
+        for exact in ("occult", "occult-graph"):
+            if exact in t and "occult-pe" in t:
+                add(f"{exact} speedup over per_expert dispatch", t["occult-pe"] / t[exact],
+                    TARGETS["exact_over_per_expert"], f"occult-pe (eager) / {exact}")
+        for nd1 in ("occult-nd1", "occult-nd1-graph"):
+            if nd1 in t and "occult-compute" in t:
+                add(f"{nd1} over the expert-compute floor", t[nd1] / t["occult-compute"],
+                    TARGETS["nd1_over_compute"], f"{nd1} / occult-compute", higher_is_better=False)
+    return pd.DataFrame(rows)
+
+
+def plot_ep(summary: pd.DataFrame, figures_dir: Path) -> None:
+    prefill = summary[summary["kind"] == "prefill"]
+    routings = sorted(set(prefill["routing"]))
+    if not routings:
+        return
+    fig, axes = plt.subplots(1, len(routings), figsize=(5 * len(routings), 3.8), squeeze=False)
+    for ax, routing in zip(axes[0], routings):
+        part = prefill[prefill["routing"] == routing].drop_duplicates(["method", "tokens_per_gpu"])
+        for method, g in part.groupby("method"):
+            ax.plot(g["tokens_per_gpu"], g["median_ms"], "--x" if method.endswith("-compute") else "-o", ms=3,
+                    label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"OLMoE layer, D=2, routing={routing}", fontsize=9)
+        ax.set_xlabel("tokens per GPU", fontsize=8)
+        ax.set_ylabel("median ms (forward)", fontsize=8)
+    axes[0][0].legend(fontsize=7)
+    _save(fig, figures_dir / "ep_latency.png")
+
+    at = prefill[(prefill["tokens_per_gpu"] == REFERENCE_TOKENS) & prefill["dispatch_ms"].notna()]
+    if at.empty:
+        return
+    fig, axes = plt.subplots(1, len(routings), figsize=(5 * len(routings), 3.8), squeeze=False)
+    for ax, routing in zip(axes[0], routings):
+        g = at[at["routing"] == routing].drop_duplicates("method").set_index("method")
+        bottom = pd.Series(0.0, index=g.index)
+        for phase, color in (("dispatch_ms", "#dd8452"), ("experts_ms", "#4c72b0"), ("combine_ms", "#55a868")):
+            ax.bar(g.index, g[phase], bottom=bottom, color=color, label=phase.removesuffix("_ms"))
+            bottom = bottom + g[phase]
+        ax.set_title(f"phases at {REFERENCE_TOKENS} tokens/GPU, routing={routing}", fontsize=9)
+        ax.set_ylabel("ms (GPU time between events)", fontsize=8)
+        ax.tick_params(axis="x", labelrotation=45, labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    _save(fig, figures_dir / "ep_phases.png")
+
+
+def make_ep_report(run_dir: Path, figures_dir: Path) -> None:
+    frame, peak = load_ep(run_dir)
+    summary = ep_summary(frame, peak)
+    write_csv(run_dir / "summary.csv", summary)
+    write_csv(run_dir / "targets.csv", ep_targets(summary))
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    plot_ep(summary, figures_dir)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--run-dir", type=Path, required=True, help="results/<machine>/<run>")
     p.add_argument("--figures", type=Path, required=True, help="figures/<machine>/<run>")
+    p.add_argument("--ep", action="store_true", help="the run is an EP benchmark (ep_*.csv), not sweeps")
     args = p.parse_args(argv)
-    make_gpu_report(args.run_dir, args.figures)
+    if args.ep:
+        make_ep_report(args.run_dir, args.figures)
+    else:
+        make_gpu_report(args.run_dir, args.figures)
     return 0
 
 

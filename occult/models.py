@@ -17,6 +17,12 @@ Routing hooks work by PyTorch module hooks, never by editing transformers:
 - `capture_routing(model)` records, per MoE layer, the ids that the experts module actually
   received (a forward pre-hook on `experts`, so after any override) and optionally the router
   logits, on CPU, keeping only positions where the caller's attention mask is 1.
+
+Expert compute: models built or loaded here run their fused experts through
+`grouped_experts_forward` (registered with transformers as `EXPERTS_IMPLEMENTATION`): one sort by
+expert and two grouped GEMMs per layer (no Python loop over experts), in the autocast dtype when
+autocast is on (bf16 on GPU), combined per token in fp32. Without a grouped GEMM in torch it runs
+transformers' own per-expert loop.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ RoutingFn = Callable[[int, Tensor], tuple[Tensor, Tensor]]
 ROUTING_HOOK_ATTR = "_occult_routing"   # (fn, hook handle) stored on the router module
 MOE_BLOCK_NAMES = ("mlp", "block_sparse_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
+EXPERTS_IMPLEMENTATION = "occult_grouped"
 
 
 class CheckpointError(ValueError):
@@ -86,10 +93,79 @@ def build_tiny_olmoe(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
     )
+    register_experts_implementation()
+    hf_cfg._experts_implementation = EXPERTS_IMPLEMENTATION
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = OlmoeForCausalLM(hf_cfg)
     return model
+
+
+# --------------------------------------------------------------------------- expert compute
+
+
+def _grouped_mm_op():
+    """torch's grouped GEMM (`F.grouped_mm` from torch 2.10, `torch._grouped_mm` before), or None."""
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_experts_forward(experts: nn.Module, hidden_states_TD: Tensor, top_k_index_TK: Tensor,
+                            top_k_weights_TK: Tensor) -> Tensor:
+    """Fused-experts forward by sort-by-expert and two grouped GEMMs (same maths as the eager loop).
+
+    Rows are the (token, slot) pairs S = T*K sorted by expert; `offs_E` ends each expert's rows.
+    GEMMs run in the autocast dtype when autocast is enabled, else in the weights' dtype; the
+    gate-weighted rows are summed per token in fp32 (a reshape and sum, deterministic on GPU).
+    """
+    grouped_mm = _grouped_mm_op()
+    if grouped_mm is None:
+        return _looped_experts_forward(experts, hidden_states_TD, top_k_index_TK, top_k_weights_TK)
+    num_tokens, top_k = top_k_index_TK.shape
+    num_experts = experts.gate_up_proj.shape[0]
+    device_type = hidden_states_TD.device.type
+    dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+             else experts.gate_up_proj.dtype)
+    ids_S = top_k_index_TK.reshape(-1)
+    order_S = torch.argsort(ids_S, stable=True)
+    rows_per_expert_E = torch.zeros(num_experts, dtype=torch.int32, device=ids_S.device)
+    rows_per_expert_E.index_add_(0, ids_S, torch.ones_like(ids_S, dtype=torch.int32))   # no host sync
+    offs_E = torch.cumsum(rows_per_expert_E, 0, dtype=torch.int32)
+    x_SD = hidden_states_TD[order_S // top_k].to(dtype)
+    gate_up_S2F = grouped_mm(x_SD, experts.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs_E)
+    gate_SF, up_SF = gate_up_S2F.chunk(2, dim=-1)
+    y_SD = grouped_mm(experts.act_fn(gate_SF) * up_SF, experts.down_proj.to(dtype).transpose(-2, -1), offs=offs_E)
+    weighted_SD = y_SD.float() * top_k_weights_TK.reshape(-1)[order_S].float().unsqueeze(-1)
+    unsorted_SD = torch.empty_like(weighted_SD)
+    unsorted_SD[order_S] = weighted_SD
+    return unsorted_SD.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states_TD.dtype)
+
+
+def _looped_experts_forward(experts: nn.Module, hidden_states_TD: Tensor, top_k_index_TK: Tensor,
+                            top_k_weights_TK: Tensor) -> Tensor:
+    """The same maths one expert at a time (for a torch without grouped GEMM)."""
+    out_TD = torch.zeros(hidden_states_TD.shape, dtype=torch.float32, device=hidden_states_TD.device)
+    for expert in top_k_index_TK.unique().tolist():
+        token_R, slot_R = torch.where(top_k_index_TK == expert)
+        gate_RF, up_RF = torch.nn.functional.linear(hidden_states_TD[token_R], experts.gate_up_proj[expert]).chunk(2, -1)
+        y_RD = torch.nn.functional.linear(experts.act_fn(gate_RF) * up_RF, experts.down_proj[expert])
+        out_TD.index_add_(0, token_R, y_RD.float() * top_k_weights_TK[token_R, slot_R, None].float())
+    return out_TD.to(hidden_states_TD.dtype)
+
+
+def register_experts_implementation() -> None:
+    """Make `EXPERTS_IMPLEMENTATION` known to transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, grouped_experts_forward)
+
+
+def use_grouped_experts(model: nn.Module) -> None:
+    """Run an OLMoE model's experts through `grouped_experts_forward` (other families keep theirs)."""
+    if getattr(model.config, "model_type", None) != "olmoe":
+        return
+    register_experts_implementation()
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
 
 
 def load_checkpoint(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | None = None):
@@ -125,6 +201,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | torch.dtype = "auto", devi
         )
     from transformers.utils import logging as hf_logging
 
+    register_experts_implementation()     # a config saved by another transformers version may name it
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()   # its load report would precede our one-line error; we check `info`
     try:
@@ -156,6 +233,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | torch.dtype = "auto", devi
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as err:
         raise CheckpointError(f"checkpoint {path}: tokenizer cannot be loaded ({type(err).__name__}: {err})") from err
+    use_grouped_experts(model)
     if device is not None:
         model = model.to(device)
     model.eval()

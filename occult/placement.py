@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-from tqdm import tqdm
 
 from occult.config import Config
+from occult.logs import progress
 from occult.provenance import provenance, write_csv, write_json
 
 METHODS = ("contiguous", "greedy", "swap")
@@ -345,7 +345,7 @@ def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path
     meta = provenance(cfg.hash(), cfg.seed, stage="placement")
     rows: list[dict[str, Any]] = []
     jobs = [(d, m) for d in pcfg.devices for m in pcfg.methods]
-    with tqdm(total=len(jobs) * len(layers), desc="placement", unit="layer") as bar:
+    with progress(len(jobs) * len(layers), desc="placement", unit="layer") as bar:
         for num_devices, method in jobs:
             lower, upper = ct_bounds(num_experts, top_k, num_devices)
             placements = []
@@ -364,6 +364,8 @@ def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path
                     "intra_device_pair_fraction": intra_device_pair_fraction(
                         heldout_LNK[i], device_of_expert, num_devices),
                 })
+                bar.log(D=num_devices, method=method, layer=int(layer),
+                        expected_ct_heldout=method_rows[-1]["expected_ct_heldout"])
                 bar.update(1)
             frame = pd.DataFrame(method_rows)
             numeric = frame.drop(columns=["D", "method", "layer"]).mean()

@@ -8,12 +8,16 @@ on domain shift (calibrate on one corpus source, evaluate on another). The CLI r
 profile directory (our model) and on the synthetic OLMoE, Qwen-MoE and DeepSeek-MoE presets:
 
     python -m occult.placement_study --profile-dir results/tiny/profile --out results/tiny/placement_study.csv
+
+Run this way it is a logged stage (`occult.logs.run_main`): `--log-json PATH` gives JSON-lines
+logs ending in one `done` or `failed` record, and a failure exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +25,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
-from tqdm import tqdm
 
 from occult.config import config_hash
+from occult.logs import ENV_LOG_JSON, progress, run_main
 from occult.placement import (
     contiguous,
     ct_bounds,
@@ -193,7 +197,7 @@ def study_rows(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarray
     jobs = [(name, i, d) for name, sp in all_splits.items()
             for d in default_devices(sp.num_experts, devices) for i in range(sp.calib_LNK.shape[0])]
     rows: list[dict[str, Any]] = []
-    with tqdm(total=len(jobs) * len(methods), desc="placement study", unit="placement") as bar:
+    with progress(len(jobs) * len(methods), desc="placement study", unit="placement") as bar:
         for name, i, num_devices in jobs:
             sp = all_splits[name]
             calib_NK = sp.calib_LNK[i].astype(np.int64)
@@ -279,7 +283,7 @@ def sensitivity(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarra
                     cases.append((name, i, num_devices, info, calib_part, heldout_part))
     rows = []
     all_splits = {name: as_splits(name, value) for name, value in traces.items()}
-    for name, i, num_devices, info, calib_NK, heldout_NK in tqdm(cases, desc="placement sensitivity", unit="case"):
+    for name, i, num_devices, info, calib_NK, heldout_NK in progress(cases, desc="placement sensitivity", unit="case"):
         sp = all_splits[name]
         placer = _LayerPlacer(calib_NK.astype(np.int64), sp.num_experts, num_devices, search, seed + i)
         for method in methods:
@@ -387,6 +391,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eps", type=float, default=SearchConfig.eps)
     parser.add_argument("--gpus-per-node", type=int, default=SearchConfig.gpus_per_node)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-json", metavar="PATH",
+                        help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
 
     traces: dict[str, RoutingSplits] = {}
@@ -404,4 +410,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main("placement_study", main, output_flags=("--out", "--sensitivity-out")))

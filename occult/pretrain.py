@@ -8,6 +8,13 @@ rate, gradient clipping at 1.0, the Switch-style load-balancing loss of transfor
 `cfg.pretrain.router_aux_loss`. Held-out perplexity is measured on up to `EVAL_TOKENS` held-out
 tokens five times during training and at the end.
 
+On a GPU the forward runs under bf16 autocast (fp32 master weights, fused AdamW); CPU runs are
+unchanged. Training is resumable: every `CHECKPOINT_EVERY_S` seconds, when `time_limit_s` is
+reached and on SIGTERM (as `timeout` sends), the model, optimizer, sampler and RNG state and the
+log rows so far go to `<out_dir>.resume/state.pt`; the next call with the same config continues
+from there (bit-identical on CPU to an uninterrupted run) and deletes it once the checkpoint is
+saved. An interrupted call raises `PretrainPaused` (the CLI exits non-zero).
+
 Outputs: the checkpoint and tokenizer in `out_dir` (written to a temporary sibling, then renamed),
 the per-step log CSV (step, train_loss = LM loss only, aux_loss, lr, heldout_ppl where measured,
 elapsed_s; provenance in `<csv>.meta.json`) and `structure_json`.
@@ -27,8 +34,10 @@ add-one-smoothed train-split token frequencies).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +69,12 @@ FINAL_LR_FRACTION = 0.1
 CLIP_NORM = 1.0
 WEIGHT_DECAY = 0.1
 PLACEMENT_TRIALS = 64
+CHECKPOINT_EVERY_S = 240.0
+LOG_FLUSH_STEPS = 50
+
+
+class PretrainPaused(RuntimeError):
+    """Training stopped early (time limit or SIGTERM) after saving its resume state."""
 
 
 def load_tokenizer(tokenizer_dir: Path):
@@ -83,11 +98,11 @@ def lr_at(step: int, train_cfg: PretrainConfig) -> float:
     return train_cfg.lr * (FINAL_LR_FRACTION + (1.0 - FINAL_LR_FRACTION) * cosine)
 
 
-def make_optimizer(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(model: nn.Module, lr: float, fused: bool = False) -> torch.optim.Optimizer:
     matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": WEIGHT_DECAY}, {"params": vectors, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if fused else {}))
 
 
 class WindowSampler:
@@ -102,6 +117,14 @@ class WindowSampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.order: list[int] = []
         self.epochs = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state(), "order": list(self.order), "epochs": self.epochs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+        self.order = list(state["order"])
+        self.epochs = int(state["epochs"])
 
     def next_batch(self) -> Tensor:
         picks = []
@@ -214,34 +237,142 @@ def routing_structure(ids_LNK: np.ndarray, layers: list[int], num_experts: int, 
 # --------------------------------------------------------------------------- the stage
 
 
+def autocast_for(device: torch.device):
+    """bf16 autocast on a GPU; a no-op context on CPU (CPU numerics stay fp32)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class StopRequest:
+    """Set by SIGTERM (while installed) or by the time limit; polled once per step."""
+
+    def __init__(self, time_limit_s: float | None):
+        self.deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+        self.signalled = False
+
+    @property
+    def due(self) -> bool:
+        return self.signalled or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    @contextlib.contextmanager
+    def on_sigterm(self):
+        def handler(signum, frame):
+            self.signalled = True
+        try:
+            previous = signal.signal(signal.SIGTERM, handler)
+        except ValueError:            # not the main thread: no handler, the time limit still works
+            yield
+            return
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def resume_dir_of(out_dir: Path) -> Path:
+    return out_dir.with_name(out_dir.name + ".resume")
+
+
+def save_resume_state(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, sampler: WindowSampler,
+                      rows: list[dict[str, Any]], config_hash: str) -> None:
+    state = {
+        "config_hash": config_hash,
+        "step": len(rows),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "sampler": sampler.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "rows": rows,
+    }
+    with atomic_path(path) as tmp:
+        tmp.mkdir()
+        torch.save(state, tmp / "state.pt")
+
+
+def load_resume_state(path: Path, config_hash: str) -> dict[str, Any] | None:
+    """The saved state of an interrupted run of the same config (None if there is none)."""
+    file = path / "state.pt"
+    if not file.is_file():
+        return None
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    if state.get("config_hash") != config_hash:
+        raise ValueError(f"{file}: resume state of config {state.get('config_hash')}, not {config_hash}; "
+                         "delete it to start over")
+    return state
+
+
 def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train_cfg: PretrainConfig,
-          eval_every: int) -> list[dict[str, Any]]:
-    """The training loop; returns one log row per step."""
-    optimizer = make_optimizer(model, train_cfg.lr)
+          eval_every: int, *, resume_dir: Path | None = None, config_hash: str = "",
+          time_limit_s: float | None = None) -> list[dict[str, Any]]:
+    """The training loop; returns one log row per step.
+
+    With `resume_dir`, continues from a saved state there and saves one every
+    CHECKPOINT_EVERY_S seconds and before raising `PretrainPaused` (time limit or SIGTERM).
+    """
+    device = next(model.parameters()).device
+    optimizer = make_optimizer(model, train_cfg.lr, fused=device.type == "cuda")
     use_aux = train_cfg.router_aux_loss > 0
     rows: list[dict[str, Any]] = []
+    state = load_resume_state(resume_dir, config_hash) if resume_dir is not None else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        sampler.load_state_dict(state["sampler"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        rows = state["rows"]
+    first_step = len(rows)
+    elapsed_before = rows[-1]["elapsed_s"] if rows else 0.0
     start = time.perf_counter()
+    last_save = time.monotonic()
+    stop = StopRequest(time_limit_s)
+    pending: list[tuple[dict[str, Any], Tensor, Tensor | None]] = []   # rows whose losses are still on the device
+
+    def flush() -> None:
+        for row, loss, aux in pending:
+            aux_value = float(aux) if aux is not None else 0.0
+            row["aux_loss"] = aux_value
+            row["train_loss"] = float(loss) - train_cfg.router_aux_loss * aux_value
+        pending.clear()
+
     model.train()
-    bar = tqdm(range(train_cfg.steps), desc="pretrain", unit="step")
-    for step in bar:
-        lr = lr_at(step, train_cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        ids_BS = sampler.next_batch().to(next(model.parameters()).device)
-        out = model(input_ids=ids_BS, labels=ids_BS, output_router_logits=use_aux, use_cache=False)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        aux = float(out.aux_loss.detach()) if use_aux else 0.0
-        row = {"step": step + 1, "train_loss": float(out.loss.detach()) - train_cfg.router_aux_loss * aux,
-               "aux_loss": aux, "lr": lr, "heldout_ppl": float("nan")}
-        if (step + 1) % eval_every == 0 or step + 1 == train_cfg.steps:
-            nll, count = heldout_nll(model, heldout)
-            row["heldout_ppl"] = math.exp(nll / count)
-            bar.set_postfix(loss=f"{row['train_loss']:.3f}", ppl=f"{row['heldout_ppl']:.1f}")
-        row["elapsed_s"] = time.perf_counter() - start
-        rows.append(row)
+    bar = tqdm(range(first_step, train_cfg.steps), desc="pretrain", unit="step", initial=first_step,
+               total=train_cfg.steps)
+    with stop.on_sigterm():
+        for step in bar:
+            if resume_dir is not None and (stop.due or time.monotonic() - last_save >= CHECKPOINT_EVERY_S):
+                flush()
+                save_resume_state(resume_dir, model, optimizer, sampler, rows, config_hash)
+                last_save = time.monotonic()
+                if stop.due:
+                    bar.close()
+                    raise PretrainPaused(f"pretraining paused at step {step} of {train_cfg.steps}; "
+                                         f"state in {resume_dir}; run the same command again to continue")
+            lr = lr_at(step, train_cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            ids_BS = sampler.next_batch().to(device)
+            with autocast_for(device):
+                out = model(input_ids=ids_BS, labels=ids_BS, output_router_logits=use_aux, use_cache=False)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            row = {"step": step + 1, "train_loss": float("nan"), "aux_loss": 0.0, "lr": lr, "heldout_ppl": float("nan")}
+            pending.append((row, out.loss.detach(), out.aux_loss.detach() if use_aux else None))
+            if (step + 1) % eval_every == 0 or step + 1 == train_cfg.steps:
+                flush()
+                nll, count = heldout_nll(model, heldout)
+                row["heldout_ppl"] = math.exp(nll / count)
+                bar.set_postfix(loss=f"{row['train_loss']:.3f}", ppl=f"{row['heldout_ppl']:.1f}")
+            elif len(pending) >= LOG_FLUSH_STEPS:
+                flush()
+            row["elapsed_s"] = elapsed_before + time.perf_counter() - start
+            rows.append(row)
+    flush()
     bar.close()
     model.eval()
     return rows
@@ -257,8 +388,13 @@ def save_model_dir(model: nn.Module, tokenizer, out_dir: Path, meta: dict[str, A
             shutil.rmtree(out_dir)
 
 
-def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structure_json: Path) -> None:
-    """Pre-train the tiny OLMoE of `cfg.model` on `data_dir` (see the module docstring)."""
+def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structure_json: Path,
+             time_limit_s: float | None = None) -> None:
+    """Pre-train the tiny OLMoE of `cfg.model` on `data_dir` (see the module docstring).
+
+    Resumes from `<out_dir>.resume/` when an interrupted run of the same config left one there;
+    raises `PretrainPaused` after saving that state when `time_limit_s` passes or SIGTERM arrives.
+    """
     if cfg.model.source != "scratch":
         raise ValueError(f"model.source: pretrain needs 'scratch', got {cfg.model.source!r}")
     train_cfg = cfg.pretrain
@@ -285,7 +421,9 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
     )
     model.to("cuda" if torch.cuda.is_available() else "cpu")   # CPU results are unchanged by this line
     prep_s = time.perf_counter() - wall_start
-    rows = train(model, sampler, heldout, train_cfg, eval_every=max(1, train_cfg.steps // EVAL_POINTS))
+    resume_dir = resume_dir_of(out_dir)
+    rows = train(model, sampler, heldout, train_cfg, eval_every=max(1, train_cfg.steps // EVAL_POINTS),
+                 resume_dir=resume_dir, config_hash=cfg.hash(), time_limit_s=time_limit_s)
 
     nll, count = heldout_nll(model, heldout)
     final_ppl = math.exp(nll / count)
@@ -305,6 +443,8 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
         "parameters": count_parameters(model),
     }
     save_model_dir(model, tokenizer, out_dir, {**meta, "train": train_summary})
+    if resume_dir.exists():
+        shutil.rmtree(resume_dir)
     columns = ["step", "train_loss", "aux_loss", "lr", "heldout_ppl", "elapsed_s"]
     write_csv(log_csv, pd.DataFrame(rows, columns=columns), meta=meta)
 

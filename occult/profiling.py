@@ -40,9 +40,9 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from occult.config import Config
+from occult.logs import progress
 from occult.models import RoutingFn, capture_routing, load_checkpoint, moe_layers, set_routing
 from occult.provenance import atomic_path, provenance, write_json
 
@@ -225,8 +225,10 @@ def route_windows(
     rows = windows.input_ids_BS.shape[0]
     batch_rows = max(1, TOKENS_PER_BATCH // windows.input_ids_BS.shape[1])
     try:
+        routed_tokens = 0
         with capture_routing(model, keep_logits=logit_stats) as cap:
-            for start in tqdm(range(0, rows, batch_rows), desc=desc, unit="batch", leave=False):
+            bar = progress(range(0, rows, batch_rows), desc=desc, unit="batch", leave=False)
+            for start in bar:
                 input_ids = windows.input_ids_BS[start:start + batch_rows].to(device)
                 mask = windows.attention_mask_BS[start:start + batch_rows].to(device)
                 cap.clear()
@@ -240,6 +242,8 @@ def route_windows(
                         z_NE = z_NE.double()
                         gram[l] += z_NE.T @ z_NE
                         logit_sum[l] += z_NE.sum(0)
+                routed_tokens += int(mask.sum())
+                bar.log(tokens=routed_tokens)
     finally:
         model.train(was_training)
     ids_LNK = torch.stack([torch.cat(chunks) for chunks in ids_chunks]).numpy()

@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from occult.config import Config  # noqa: E402
+from occult.logs import log_event  # noqa: E402
 from occult.provenance import atomic_path, provenance, write_csv  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -241,4 +242,7 @@ def make_report(cfg: Config, results_dir: Path, figures_dir: Path, profile_npz: 
     layers, placement_LE = load_placement_layers(placement_file(cfg, results_dir / "placement"))
     plot_heatmaps(prof.coactivation[0], np.asarray(placement_LE[0]), int(layers[0]),
                   figures_dir / "coactivation_heatmaps.png")
-    log.info("report written to %s and %s", results_dir / "tables", figures_dir)
+    tables = sorted(str(p) for p in (results_dir / "tables").glob("*.csv"))
+    figures = sorted(str(p) for p in Path(figures_dir).glob("*.png"))
+    log_event("report", f"report written to {results_dir / 'tables'} and {figures_dir}", logger=log,
+              tables=tables, figures=figures)

@@ -2,10 +2,13 @@
 and `prune<N>-sim` restrict each token to N devices of the fine-tuning placement.
 
 The same rule is active while a variant is fine-tuned and while it is evaluated.
+`quality_arms(cfg)` lists the quality study's arms (variant x devices x gate handling x trained
+modules); `arm_config` gives each its own resolved config.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -49,3 +52,69 @@ def routing_for_variant(cfg: Config, variant: Variant | str, placements_dir: Pat
                                 similarity[layer].to(logits_TE.device), gate=gate,
                                 norm_topk_prob=norm_topk_prob, num_devices=devices)
     return route_sim
+
+
+# --------------------------------------------------------------------------- the quality study's arms
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One fine-tuned (or raw) model of the quality study: a variant under a fine-tuning setting.
+
+    The setting is applied as overrides of the `finetune` section, so each arm has its own
+    resolved config (and config hash) and the unchanged `finetune`/`evaluate` stages run it.
+    """
+
+    variant: str
+    devices: int
+    gate_weights: str = "keep"
+    train_modules: str = "moe"
+
+    @property
+    def name(self) -> str:
+        """`raw`, `sft-moe`, `prune2-sim-D8-keep-moe`, ... (a file-name-safe label)."""
+        v = parse_variant(self.variant)
+        if not v.trains:
+            return "raw"
+        if v.max_devices is None:
+            return f"sft-{self.train_modules}"
+        return f"{self.variant}-D{self.devices}-{self.gate_weights}-{self.train_modules}"
+
+    def overrides(self) -> dict:
+        return {"finetune": {"variants": [self.variant], "devices": self.devices,
+                             "gate_weights": self.gate_weights, "train_modules": self.train_modules}}
+
+
+def quality_arms(cfg: Config, devices: tuple[int, ...] = (4, 8), max_devices: tuple[int, ...] = (1, 2, 4),
+                 renormalised: tuple[str, ...] = ("prune2-sim", "prune1-sim"),
+                 fully_trained: tuple[str, ...] = ("sft", "prune2-sim")) -> list[Arm]:
+    """The arms of the quality study, in run order.
+
+    raw; standard SFT; `prune<N_d>-{router,sim}` for every D in `devices` (those of
+    `cfg.placement.devices`) and every N_d < D with N_d*E/D >= k, gates kept, MoE modules trained;
+    the gate ablation (`renormalised` variants with renormalised gates) and full fine-tuning
+    (`fully_trained`) at the largest D. Every arm shares data, steps and seed.
+    """
+    experts, k = cfg.num_experts, cfg.top_k
+    usable = [d for d in devices if d in cfg.placement.devices and experts % d == 0]
+    if not usable:
+        raise ValueError(f"placement.devices: none of {devices} is a placement device count of this config")
+    base = cfg.finetune.devices if cfg.finetune.devices in usable else usable[0]
+    arms = [Arm("raw", base), Arm("sft", base)]
+    for d in usable:
+        for nd in max_devices:
+            if nd < d and nd * experts // d >= k:
+                arms += [Arm(f"prune{nd}-router", d), Arm(f"prune{nd}-sim", d)]
+    largest = max(usable)
+    valid = {a.variant for a in arms if a.devices == largest} | {"sft"}
+    arms += [Arm(v, largest if v != "sft" else base, gate_weights="renormalise")
+             for v in renormalised if v in valid and v != "sft"]
+    arms += [Arm(v, largest if v != "sft" else base, train_modules="all") for v in fully_trained if v in valid]
+    return arms
+
+
+def arm_config(cfg: Config, arm: Arm) -> Config:
+    """`cfg` with the arm's fine-tuning setting (validated like any config)."""
+    from occult.config import load_config, merge
+
+    return load_config(merge(cfg.raw, arm.overrides()))

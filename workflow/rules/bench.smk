@@ -11,7 +11,8 @@ rule bench_layer:
         profile=profile_dir,
         placements=placement_dir,
     log:
-        f"logs/bench_layer/{RUN}.log",
+        text=f"logs/bench_layer/{RUN}.log",
+        json=f"logs/bench_layer/{RUN}.jsonl",
     benchmark:
         f"benchmarks/bench_layer/{RUN}.tsv"
     conda:
@@ -22,4 +23,4 @@ rule bench_layer:
         runtime=60,
     shell:
         "OMP_NUM_THREADS=1 occult bench --config {params.config} --profile {params.profile}"
-        " --placements {params.placements} --out {output.csv} 2>&1 | tee {log}"
+        " --placements {params.placements} --out {output.csv} --log-json {log.json} 2>&1 | tee {log.text}"

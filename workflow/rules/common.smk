@@ -85,6 +85,17 @@ def committed_sweep_runs() -> list[tuple[str, str]]:
     return sorted(runs)
 
 
+def committed_ep_runs() -> list[tuple[str, str]]:
+    """(machine, version) of every committed EP benchmark run: results/<machine>/ep_<version>/."""
+    return sorted({(csv.parent.parent.name, csv.parent.name.removeprefix("ep_"))
+                   for csv in Path("results").glob("*/ep_*/ep_*_D*.csv")})
+
+
+def ep_bench_csvs(wildcards) -> list[str]:
+    run_dir = Path("results") / wildcards.machine / f"ep_{wildcards.version}"
+    return sorted(str(p) for p in [*run_dir.glob("ep_*_D*.csv"), run_dir / "peak.csv"])
+
+
 def gpu_sweep_csvs(wildcards) -> list[str]:
     run_dir = Path("results") / wildcards.machine / f"sweeps_{wildcards.version}"
     return sorted(str(p) for p in run_dir.glob("sweep_*_D*.csv"))
@@ -96,6 +107,27 @@ def gpus_of_sweep(wildcards) -> int:
 
 def sweep_run_dir(wildcards, input) -> str:
     return str(Path(input.sweeps[0]).parent)
+
+
+def simulate_inputs(wildcards) -> list[str]:
+    """Measured files the simulator reads; relative paths are committed results of the repository."""
+    if CFG.simulate is None:
+        return []
+    named = [*CFG.simulate.measured, CFG.simulate.alltoall_csv, CFG.simulate.gemm_csv]
+    return [p if Path(p).exists() else str(Path(workflow.basedir) / p) for p in named if p]
+
+
+def simulate_figures_dir(wildcards, output) -> str:
+    return str(Path(output.fig_speedup).parent)
+
+
+SIMULATE_OUTPUTS = [
+    f"{RESULTS}/simulate/validation.csv",
+    f"{RESULTS}/simulate/predictions.csv",
+    f"{RESULTS}/simulate/predictions_D4_D8.csv",
+    f"{FIGURES}/simulate_speedup.png",
+    f"{FIGURES}/simulate_validation.png",
+] if CFG.simulate is not None else []
 
 
 def final_outputs() -> list[str]:
@@ -111,6 +143,7 @@ def final_outputs() -> list[str]:
         *[f"{RESULTS}/evaluate/{v}.json" for v in VARIANTS],
         f"{RESULTS}/bench/ep_cpu.csv",
         *[f"results/{m}/sweeps_{v}/speedups.csv" for m, v in committed_sweep_runs()],
+        *[f"results/{m}/ep_{v}/targets.csv" for m, v in committed_ep_runs()],
         f"{RESULTS}/config.yaml",
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",
@@ -121,4 +154,5 @@ def final_outputs() -> list[str]:
         f"{FIGURES}/coactivation_heatmaps.png",
         f"{FIGURES}/expected_ct_vs_devices.png",
         f"{FIGURES}/placement_study.png",
+        *SIMULATE_OUTPUTS,
     ]

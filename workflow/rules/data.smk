@@ -10,7 +10,8 @@ rule build_data:
         settings=settings("data", "seed"),
         outdir=output_dir,
     log:
-        f"logs/build_data/{RUN}.log",
+        text=f"logs/build_data/{RUN}.log",
+        json=f"logs/build_data/{RUN}.jsonl",
     benchmark:
         f"benchmarks/build_data/{RUN}.tsv"
     conda:
@@ -20,4 +21,4 @@ rule build_data:
         mem_mb=4000,
         runtime=30,
     shell:
-        "occult data --config {params.config} --out {params.outdir} 2>&1 | tee {log}"
+        "occult data --config {params.config} --out {params.outdir} --log-json {log.json} 2>&1 | tee {log.text}"

@@ -13,7 +13,8 @@ rule eval_variant:
         profile=profile_dir,
         placements=placement_dir,
     log:
-        f"logs/eval_variant/{RUN}_{{variant}}.log",
+        text=f"logs/eval_variant/{RUN}_{{variant}}.log",
+        json=f"logs/eval_variant/{RUN}_{{variant}}.jsonl",
     benchmark:
         f"benchmarks/eval_variant/{RUN}_{{variant}}.tsv"
     conda:
@@ -25,4 +26,4 @@ rule eval_variant:
     shell:
         "occult evaluate --config {params.config} --threads {threads} --variant {wildcards.variant}"
         " --model {input.model} --data {params.data} --profile {params.profile}"
-        " --placements {params.placements} --out {output.scores} 2>&1 | tee {log}"
+        " --placements {params.placements} --out {output.scores} --log-json {log.json} 2>&1 | tee {log.text}"

@@ -14,7 +14,8 @@ rule finetune_variant:
         profile=profile_dir,
         placements=placement_dir,
     log:
-        f"logs/finetune_variant/{RUN}_{{variant}}.log",
+        text=f"logs/finetune_variant/{RUN}_{{variant}}.log",
+        json=f"logs/finetune_variant/{RUN}_{{variant}}.jsonl",
     benchmark:
         f"benchmarks/finetune_variant/{RUN}_{{variant}}.tsv"
     conda:
@@ -27,4 +28,5 @@ rule finetune_variant:
     shell:
         "occult finetune --config {params.config} --threads {threads} --variant {wildcards.variant}"
         " --model {input.model} --data {params.data} --profile {params.profile}"
-        " --placements {params.placements} --out {output.model} --log {output.loss} 2>&1 | tee {log}"
+        " --placements {params.placements} --out {output.model} --log {output.loss}"
+        " --log-json {log.json} 2>&1 | tee {log.text}"

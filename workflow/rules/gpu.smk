@@ -10,7 +10,8 @@ rule run_gpu_sweep:
         shapes="olmoe qwen deepseek",
         methods="occult occult-nd2 occult-nd1 naive megablocks tutel hf fsdp",
     log:
-        "logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.log",
+        text="logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.log",
+        json="logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.jsonl",
     benchmark:
         "benchmarks/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.tsv"
     wildcard_constraints:
@@ -24,10 +25,10 @@ rule run_gpu_sweep:
         mem_mb=64000,
         runtime=60,
     shell:
-        "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
+        "OCCULT_LOG_JSON={log.json} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
         " torchrun --nproc_per_node={wildcards.devices} -m occult.sweep --kind {wildcards.kind}"
         " --shapes {params.shapes} --methods {params.methods} --repeats 20 --warmup 5"
-        " --out {output.csv} > {log} 2>&1"
+        " --out {output.csv} > {log.text} 2>&1"
 
 
 rule plot_gpu_sweeps:
@@ -44,7 +45,8 @@ rule plot_gpu_sweeps:
     params:
         run_dir=sweep_run_dir,
     log:
-        "logs/plot_gpu_sweeps/{machine}_{version}.log",
+        text="logs/plot_gpu_sweeps/{machine}_{version}.log",
+        json="logs/plot_gpu_sweeps/{machine}_{version}.jsonl",
     benchmark:
         "benchmarks/plot_gpu_sweeps/{machine}_{version}.tsv"
     conda:
@@ -54,4 +56,35 @@ rule plot_gpu_sweeps:
         mem_mb=2000,
         runtime=10,
     shell:
-        "python -m occult.gpu_report --run-dir {params.run_dir} --figures {output.figures} > {log} 2>&1"
+        "OCCULT_LOG_JSON={log.json} python -m occult.gpu_report --run-dir {params.run_dir} --figures {output.figures}"
+        " > {log.text} 2>&1"
+
+
+rule plot_ep_bench:
+    input:
+        csvs=ep_bench_csvs,
+    output:
+        summary="results/{machine}/ep_{version}/summary.csv",
+        targets="results/{machine}/ep_{version}/targets.csv",
+        figures=report(
+            directory("figures/{machine}/ep_{version}"),
+            patterns=["{name}.png"],
+            category="GPU latency",
+            caption="../report/ep_bench.rst",
+        ),
+    params:
+        run_dir=lambda wildcards, input: str(Path(input.csvs[0]).parent),
+    log:
+        text="logs/plot_ep_bench/{machine}_{version}.log",
+        json="logs/plot_ep_bench/{machine}_{version}.jsonl",
+    benchmark:
+        "benchmarks/plot_ep_bench/{machine}_{version}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "OCCULT_LOG_JSON={log.json} python -m occult.gpu_report --ep --run-dir {params.run_dir}"
+        " --figures {output.figures} > {log.text} 2>&1"

@@ -12,7 +12,8 @@ if CFG.model.source == "scratch":
             settings=settings("model", "pretrain", "seed"),
             data=data_dir,
         log:
-            f"logs/pretrain_model/{RUN}.log",
+            text=f"logs/pretrain_model/{RUN}.log",
+            json=f"logs/pretrain_model/{RUN}.jsonl",
         benchmark:
             f"benchmarks/pretrain_model/{RUN}.tsv"
         conda:
@@ -24,7 +25,8 @@ if CFG.model.source == "scratch":
             gpus=0,
         shell:
             "occult pretrain --config {params.config} --threads {threads} --data {params.data}"
-            " --out {output.model} --log {output.loss} --structure {output.structure} 2>&1 | tee {log}"
+            " --out {output.model} --log {output.loss} --structure {output.structure}"
+            " --log-json {log.json} 2>&1 | tee {log.text}"
 
 else:
 
@@ -35,7 +37,8 @@ else:
             config=RESOLVED_CONFIG,
             settings=settings("model"),
         log:
-            f"logs/import_checkpoint/{RUN}.log",
+            text=f"logs/import_checkpoint/{RUN}.log",
+            json=f"logs/import_checkpoint/{RUN}.jsonl",
         benchmark:
             f"benchmarks/import_checkpoint/{RUN}.tsv"
         conda:
@@ -45,4 +48,5 @@ else:
             mem_mb=64000,
             runtime=30,
         shell:
-            "occult import-checkpoint --config {params.config} --out {output.model} 2>&1 | tee {log}"
+            "occult import-checkpoint --config {params.config} --out {output.model} --log-json {log.json}"
+            " 2>&1 | tee {log.text}"

@@ -12,7 +12,8 @@ rule place_experts:
         profile=profile_dir,
         outdir=output_dir,
     log:
-        f"logs/place_experts/{RUN}.log",
+        text=f"logs/place_experts/{RUN}.log",
+        json=f"logs/place_experts/{RUN}.jsonl",
     benchmark:
         f"benchmarks/place_experts/{RUN}.tsv"
     conda:
@@ -23,7 +24,7 @@ rule place_experts:
         runtime=30,
     shell:
         "occult place --config {params.config} --profile {params.profile} --out {params.outdir}"
-        " --table {output.table} 2>&1 | tee {log}"
+        " --table {output.table} --log-json {log.json} 2>&1 | tee {log.text}"
 
 
 rule study_placement:
@@ -41,7 +42,8 @@ rule study_placement:
         seed=CFG.seed,
         rounds=CFG.placement.swap_rounds,
     log:
-        f"logs/study_placement/{RUN}.log",
+        text=f"logs/study_placement/{RUN}.log",
+        json=f"logs/study_placement/{RUN}.jsonl",
     benchmark:
         f"benchmarks/study_placement/{RUN}.tsv"
     conda:
@@ -53,4 +55,4 @@ rule study_placement:
     shell:
         "python -m occult.placement_study --profile-dir {params.profile} --out {output.study}"
         " --sensitivity-out {output.sensitivity} --synthetic {params.synthetic} --seed {params.seed}"
-        " --swap-rounds {params.rounds} 2>&1 | tee {log}"
+        " --swap-rounds {params.rounds} --log-json {log.json} 2>&1 | tee {log.text}"

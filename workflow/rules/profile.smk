@@ -13,7 +13,8 @@ rule profile_coactivation:
         data=data_dir,
         outdir=output_dir,
     log:
-        f"logs/profile_coactivation/{RUN}.log",
+        text=f"logs/profile_coactivation/{RUN}.log",
+        json=f"logs/profile_coactivation/{RUN}.jsonl",
     benchmark:
         f"benchmarks/profile_coactivation/{RUN}.tsv"
     conda:
@@ -24,5 +25,5 @@ rule profile_coactivation:
         runtime=60,
     shell:
         "occult profile --config {params.config} --threads {threads} --model {input.model}"
-        " --data {params.data} --out {params.outdir} 2>&1 | tee {log}"
+        " --data {params.data} --out {params.outdir} --log-json {log.json} 2>&1 | tee {log.text}"
         " && cp {params.outdir}/profile.json {output.summary}"

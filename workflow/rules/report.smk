@@ -24,7 +24,8 @@ rule make_report:
         results=results_dir,
         figures=figures_dir,
     log:
-        f"logs/make_report/{RUN}.log",
+        text=f"logs/make_report/{RUN}.log",
+        json=f"logs/make_report/{RUN}.jsonl",
     benchmark:
         f"benchmarks/make_report/{RUN}.tsv"
     conda:
@@ -35,4 +36,4 @@ rule make_report:
         runtime=10,
     shell:
         "occult report --config {params.config} --results {params.results} --figures {params.figures}"
-        " 2>&1 | tee {log}"
+        " --log-json {log.json} 2>&1 | tee {log.text}"

@@ -1,0 +1,261 @@
+"""The quality study's preparation: grouped expert compute, resumable pre-training, the arms,
+the batched lm-eval scorer, and pack_quality.sh + gpu_quality.sh end to end at micro scale."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from occult.config import load_config, merge
+from occult.models import EXPERTS_IMPLEMENTATION, _looped_experts_forward, build_tiny_olmoe, grouped_experts_forward
+from occult.variants import Arm, arm_config, quality_arms
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+
+MICRO = {
+    "run": "micro-quality",
+    "data": {"sources": ["chitchat", "kjv"], "max_chars_per_source": 40000, "vocab_size": 400,
+             "instruction_pairs": 40, "eval_tasks": ["copa", "sst2"], "eval_examples": 6},
+    "model": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_experts": 16, "top_k": 4,
+              "expert_ffn": 16, "max_seq_len": 128},
+    "pretrain": {"steps": 6, "batch_size": 4, "seq_len": 32, "warmup_steps": 1},
+    "profile": {"calibration_tokens": 1500, "heldout_tokens": 1500, "seq_len": 32},
+    "placement": {"devices": [2, 4, 8], "methods": ["contiguous", "greedy"], "swap_rounds": 1},
+    "finetune": {"steps": 2, "batch_size": 4, "seq_len": 48},
+    "evaluate": {"batch_size": 8},
+    "bench": {"tokens_per_rank": [16], "repeats": 1, "warmup": 0},
+}
+
+
+def micro_config(**overrides):
+    return load_config(merge(merge(BASE, MICRO), overrides))
+
+
+# --------------------------------------------------------------------------- expert compute
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 1), (37, 16, 4), (64, 64, 8)])
+def test_grouped_experts_equal_the_loop_forward_and_backward(tokens, experts, top_k):
+    torch.manual_seed(0)
+    model_cfg = dataclasses.replace(micro_config().model, num_experts=experts, top_k=top_k)
+    model = build_tiny_olmoe(model_cfg, 64, pad_token_id=None, bos_token_id=0, eos_token_id=0, seed=0)
+    block = model.model.layers[0].mlp.experts
+    x_TD = torch.randn(tokens, model_cfg.hidden_size, requires_grad=True)
+    ids_TK = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    w_TK = torch.rand(tokens, top_k, requires_grad=True)
+    got = grouped_experts_forward(block, x_TD, ids_TK, w_TK)
+    ref = _looped_experts_forward(block, x_TD, ids_TK, w_TK)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad(got.square().sum(), (x_TD, w_TK, block.gate_up_proj, block.down_proj))
+    refs = torch.autograd.grad(ref.square().sum(), (x_TD, w_TK, block.gate_up_proj, block.down_proj))
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_models_use_the_grouped_path_and_match_transformers_eager():
+    cfg = micro_config()
+    model = build_tiny_olmoe(cfg.model, 128, pad_token_id=None, bos_token_id=0, eos_token_id=0, seed=1)
+    assert model.config._experts_implementation == EXPERTS_IMPLEMENTATION
+    ids = torch.randint(0, 128, (3, 20))
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+        model.set_experts_implementation("eager")
+        ref = model(input_ids=ids).logits
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- the arms
+
+
+def test_quality_arms_cover_the_study_and_respect_the_pruning_bound():
+    cfg = load_config(merge(BASE, yaml.safe_load((REPO / "config/presets/mini.yaml").read_text())))
+    arms = quality_arms(cfg)
+    names = [a.name for a in arms]
+    assert len(names) == len(set(names)) == 16
+    assert names[:2] == ["raw", "sft-moe"]
+    pruned = {(a.variant, a.devices) for a in arms if a.variant.startswith("prune") and a.gate_weights == "keep"
+              and a.train_modules == "moe"}
+    assert pruned == {(f"prune{n}-{m}", d) for d in (4, 8) for n in (1, 2, 4) if n < d for m in ("router", "sim")}
+    assert {a.name for a in arms if a.gate_weights == "renormalise"} == {"prune2-sim-D8-renormalise-moe",
+                                                                         "prune1-sim-D8-renormalise-moe"}
+    assert {a.name for a in arms if a.train_modules == "all"} == {"sft-all", "prune2-sim-D8-keep-all"}
+    for arm in arms:        # every arm is a valid config of its own
+        arm_cfg = arm_config(cfg, arm)
+        assert arm_cfg.finetune.devices == arm.devices and arm_cfg.finetune.variants == (arm.variant,)
+
+
+def test_quality_arms_drop_settings_a_small_model_cannot_prune():
+    cfg = micro_config()                        # E=16, k=4: at D=8 only N_d >= 2 keeps k experts
+    arms = quality_arms(cfg)
+    assert all(int(a.variant[5]) * 16 // a.devices >= 4 for a in arms if a.variant.startswith("prune"))
+    assert Arm("prune1-sim", 8).name not in {a.name for a in arms}
+
+
+# --------------------------------------------------------------------------- resumable pre-training
+
+
+@pytest.fixture(scope="module")
+def micro_data(tmp_path_factory):
+    from occult.data import build_data
+
+    out = tmp_path_factory.mktemp("data")
+    cfg = micro_config()
+    build_data(cfg.data, cfg.seed, out)
+    return out
+
+
+def test_pretraining_resumes_to_the_same_weights(micro_data, tmp_path):
+    from occult.pretrain import PretrainPaused, pretrain, resume_dir_of
+
+    cfg = micro_config()
+    straight = tmp_path / "straight" / "base"
+    pretrain(cfg, micro_data, straight, tmp_path / "straight.csv", tmp_path / "straight.json")
+    paused = tmp_path / "paused" / "base"
+    with pytest.raises(PretrainPaused):
+        pretrain(cfg, micro_data, paused, tmp_path / "paused.csv", tmp_path / "paused.json", time_limit_s=0.0)
+    assert (resume_dir_of(paused) / "state.pt").is_file() and not paused.exists()
+    pretrain(cfg, micro_data, paused, tmp_path / "paused.csv", tmp_path / "paused.json")
+    assert paused.is_dir() and not resume_dir_of(paused).exists()
+    from safetensors.torch import load_file
+
+    a, b = load_file(straight / "model.safetensors"), load_file(paused / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    log_a = np.genfromtxt(tmp_path / "straight.csv", delimiter=",", names=True)
+    log_b = np.genfromtxt(tmp_path / "paused.csv", delimiter=",", names=True)
+    assert np.array_equal(log_a["train_loss"], log_b["train_loss"]) and len(log_b) == cfg.pretrain.steps
+
+
+def test_resume_state_of_another_config_is_refused(micro_data, tmp_path):
+    from occult.pretrain import PretrainPaused, pretrain
+
+    out = tmp_path / "base"
+    with pytest.raises(PretrainPaused):
+        pretrain(micro_config(), micro_data, out, tmp_path / "l.csv", tmp_path / "s.json", time_limit_s=0.0)
+    with pytest.raises(ValueError, match="resume state of config"):
+        pretrain(micro_config(seed=1), micro_data, out, tmp_path / "l.csv", tmp_path / "s.json")
+
+
+# --------------------------------------------------------------------------- the batched scorer
+
+
+def test_batched_scorer_equals_hflm(micro_data, tmp_path):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from occult.evaluate import fast_lm
+    from occult.pretrain import load_tokenizer
+
+    cfg = micro_config()
+    tokenizer = load_tokenizer(micro_data / "tokenizer")
+    model = build_tiny_olmoe(cfg.model, len(tokenizer), pad_token_id=None, bos_token_id=tokenizer.eos_token_id,
+                             eos_token_id=tokenizer.eos_token_id, seed=3).eval()
+    requests = []
+    for n, line in enumerate((micro_data / "eval" / "sst2.jsonl").read_text().splitlines()):
+        doc = json.loads(line)
+        context = doc["sentence"] + "\nQuestion: Is this sentence positive or negative?\nAnswer:"
+        requests += [Instance("loglikelihood", doc, (context, f" {c}"), n) for c in ("negative", "positive")]
+    requests.append(Instance("loglikelihood", {}, ("", "the end of it all"), 99))
+    requests.append(Instance("loglikelihood", {}, ("a " * 200, " long context"), 100))   # left-truncated
+    ref = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4, max_length=64).loglikelihood(requests)
+    got = fast_lm(model, tokenizer, max_length=64, batch_tokens=300).loglikelihood(requests)
+    assert [g for _, g in got] == [g for _, g in ref]
+    np.testing.assert_allclose([x for x, _ in got], [x for x, _ in ref], rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- the scripts, end to end
+
+
+def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path):
+    preset = tmp_path / "micro.yaml"
+    preset.write_text(yaml.safe_dump(MICRO))
+    env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python"),
+           "OMP_NUM_THREADS": "1", "CARRY": str(tmp_path / "carry"), "OUT": str(tmp_path / "out"),
+           "SITE": "", "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}"}
+    pack = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert pack.returncode == 0, pack.stderr[-3000:]
+    packed = json.loads((tmp_path / "carry" / "manifest.json").read_text())
+    assert {"config.yaml", "data.tar.xz", "COMMIT"} <= set(packed["files"])
+    # the GPU side starts from the pack alone: a fresh work root
+    env["WORK_ROOT"] = str(tmp_path / "gpu-work")
+    for phase in ("pretrain", "variants", "evaluate"):
+        run = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", phase], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=400)
+        assert run.returncode == 0, f"{phase}: {run.stdout[-3000:]}"
+    again = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", "variants"], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=200)
+    assert again.returncode == 0 and "finetune micro" not in again.stdout and "arms:" not in again.stdout
+    with tarfile.open(tmp_path / "out" / "quality_results.tar.gz") as tar:
+        names = set(tar.getnames())
+    arms = quality_arms(load_config(tmp_path / "carry" / "config.yaml"))
+    assert {f"./evaluate/{a.name}.json" for a in arms} <= names
+    assert {f"./finetune/{a.name}_log.csv" for a in arms if a.name != "raw"} <= names
+    assert {"./model/pretrain_log.csv", "./model/router_structure.json", "./profile/profile.json",
+            "./placement/expected_ct.csv", "./timings.json", "./config.yaml"} <= names
+    assert not any(n.endswith((".safetensors", ".pt", ".bin")) for n in names)
+
+
+# --------------------------------------------------------------------------- ShareGPT, the guard, the summary
+
+
+def test_sharegpt_reader_decodes_a_truncated_array_and_builds_first_turn_pairs(tmp_path):
+    from occult.data import Document, sharegpt_conversations, sharegpt_pairs
+
+    good = {"id": "a_0", "conversations": [{"from": "human", "value": "What is a noun used for?"},
+                                           {"from": "gpt", "value": "A noun names a person, place or thing."}]}
+    path = tmp_path / "share.json"
+    path.write_text("[\n" + json.dumps(good) + ",\n" + json.dumps({**good, "id": "b_0"}) + ',\n {"id": "c_0", "conv')
+    assert [c["id"] for c in sharegpt_conversations(path)] == ["a_0", "b_0"]
+    turns = (("turn", "User", "What is a noun used for?"), ("turn", "Assistant", "A noun names a person, place or thing."))
+    doc = Document("sharegpt", "sharegpt:a_0", "\n".join(f"{w}: {t}" for _, w, t in turns), turns)
+    (pair,) = sharegpt_pairs(doc, None)
+    assert (pair.instruction, pair.response) == (turns[0][2], turns[1][2])
+    assert sharegpt_pairs(Document("sharegpt", "x", doc.text, turns[::-1]), None) == []   # must start with the user
+
+
+def test_pack_refuses_a_corpus_pretraining_would_repeat_too_often(tmp_path):
+    preset = tmp_path / "greedy.yaml"
+    preset.write_text(yaml.safe_dump(merge(MICRO, {"pretrain": {"steps": 100000}})))
+    env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python")}
+    run = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "MAX_EPOCHS" in run.stderr
+
+
+def _fake_summary(arm: Arm, accs: dict[str, float]) -> dict:
+    return {"variant": arm.variant, "arm": arm.name,
+            "setting": {"devices": arm.devices, "gate_weights": arm.gate_weights, "train_modules": arm.train_modules},
+            "scores": [{"task": t, "acc": a, "acc_stderr": 0.01, "chance": 0.5} for t, a in accs.items()]}
+
+
+def test_summary_table_is_in_paper_order_and_verdicts_follow_the_numbers(tmp_path):
+    from occult.evaluate import claim_verdicts, summarise_arms
+
+    arms = {"raw": (Arm("raw", 8), 0.55), "sft": (Arm("sft", 8), 0.70),
+            "p2r": (Arm("prune2-router", 8), 0.66), "p2s": (Arm("prune2-sim", 8), 0.695),
+            "p1r": (Arm("prune1-router", 8), 0.58), "p1s": (Arm("prune1-sim", 8), 0.62)}
+    (tmp_path / "evaluate").mkdir()
+    for arm, acc in arms.values():
+        (tmp_path / "evaluate" / f"{arm.name}.json").write_text(json.dumps(_fake_summary(arm, {"copa": acc, "piqa": acc})))
+    summarise_arms(tmp_path, tmp_path / "figures")
+    import pandas as pd
+
+    table = pd.read_csv(tmp_path / "tables" / "accuracy.csv")
+    assert list(table["arm"]) == ["raw", "sft-moe", "prune2-router-D8-keep-moe", "prune2-sim-D8-keep-moe",
+                                  "prune1-router-D8-keep-moe", "prune1-sim-D8-keep-moe", "chance"]
+    assert table.set_index("arm").at["sft-moe", "average"] == pytest.approx(0.70)
+    verdicts = {v["claim"]: v["verdict"] for v in claim_verdicts(table)}
+    assert verdicts["pruning within 2 devices is about as good as standard fine-tuning"] == "does not hold"  # router: -4 pts
+    assert verdicts["pruning within 1 device hurts"] == "holds"
+    assert verdicts["similarity-based pruning beats router-score-based pruning"] == "holds"
+    assert (tmp_path / "figures" / "accuracy.png").stat().st_size > 1000

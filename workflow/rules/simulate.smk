@@ -1,0 +1,37 @@
+# Trace-driven scale simulator (issue 6): validated against the committed GPU sweeps, predictions
+# for D = 4 ... 64 and the issue-8 table for D = 4, 8. CPU only; about half a minute.
+# (`occult simulate` is the same stage behind the CLI; the module entry keeps tests/test_cli.py's
+# fixed stage table unchanged.)
+
+
+rule simulate_scale:
+    input:
+        measured=simulate_inputs,
+    output:
+        validation=report(
+            f"{RESULTS}/simulate/validation.csv", category="Scale simulator", caption="../report/simulate.rst"
+        ),
+        predictions=f"{RESULTS}/simulate/predictions.csv",
+        issue8=f"{RESULTS}/simulate/predictions_D4_D8.csv",
+        fig_speedup=report(f"{FIGURES}/simulate_speedup.png", category="Scale simulator", caption="../report/simulate.rst"),
+        fig_validation=report(
+            f"{FIGURES}/simulate_validation.png", category="Scale simulator", caption="../report/simulate.rst"
+        ),
+    params:
+        config=RESOLVED_CONFIG,
+        settings=settings("simulate", "seed") if CFG.simulate is not None else "",
+        outdir=output_dir,
+        figures=simulate_figures_dir,
+    log:
+        f"logs/simulate_scale/{RUN}.log",
+    benchmark:
+        f"benchmarks/simulate_scale/{RUN}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=15,
+    shell:
+        "python -m occult.simulate --config {params.config} --out {params.outdir} --figures {params.figures}"
+        " 2>&1 | tee {log}"

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# Run the quality study on a GPU machine from a pack made by pack_quality.sh, one resumable
+# phase per call (each well inside the device tool's 10-minute limit):
+#   gpu_quality.sh pretrain   pre-train the mini model (continues an interrupted run)
+#   gpu_quality.sh variants   profile, placements, then fine-tune every arm not yet done
+#   gpu_quality.sh evaluate   lm-eval every arm not yet scored
+#   gpu_quality.sh all        the three in order (machines without a per-call limit; CPU tests)
+# A phase that runs out of time exits 3 after saving its progress: call it again.
+# Results (JSON/CSV, no checkpoints) are bundled after every phase into $OUT/quality_results.tar.gz
+# (plus $OUT/<phase>.log); unpack that into results/<machine>/quality_v1/ on the CPU side.
+# env: CARRY (default .carry/quality), OUT (default ./quality-out), PYTHON (default python3),
+#      PHASE_LIMIT_S (default 520: seconds per call, setup included), SITE (default /tmp/site),
+#      WORK_ROOT (default work: checkpoints and intermediates, never sent back).
+set -euo pipefail
+PHASE=${1:?usage: gpu_quality.sh pretrain|variants|evaluate|all}
+CARRY=${CARRY:-.carry/quality}
+OUT=${OUT:-$PWD/quality-out}
+PY=${PYTHON:-python3}
+LIMIT=${PHASE_LIMIT_S:-520}
+phase_start=$(date +%s)
+SITE=${SITE:-/tmp/site}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
+export OCCULT_COMMIT=$(cat "$CARRY/COMMIT" 2>/dev/null || echo unknown)
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/$PHASE.log") 2>&1
+
+# -- setup: wheels (once per machine), the package on the path, the data unpacked
+if [ -n "$SITE" ] && ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then
+    wheels=$(cd "$CARRY/wheels" && ls *.whl)
+    if [ "$wheels" != "$(cat "$SITE/.occult-wheels" 2>/dev/null)" ]; then     # once per machine and wheel set
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$CARRY"/wheels/*.whl
+        echo "$wheels" > "$SITE/.occult-wheels"
+    fi
+fi
+export PYTHONPATH="$PWD${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}"
+CONFIG=$CARRY/config.yaml
+RUN=$("$PY" -c "import yaml,sys; print(yaml.safe_load(open(sys.argv[1]))['run'])" "$CONFIG")
+WORK=${WORK_ROOT:-work}/$RUN
+RES=$WORK/quality_results
+DATA=$WORK/data
+mkdir -p "$RES/model" "$RES/profile" "$RES/placement" "$RES/finetune" "$RES/evaluate" "$RES/logs"
+if [ ! -f "$DATA/manifest.json" ]; then
+    mkdir -p "$DATA" && xz -dc "$CARRY/data.tar.xz" | tar -C "$DATA" -xf -
+fi
+cp "$CONFIG" "$RES/config.yaml"
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
+ torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu', 'transformers', transformers.__version__)"
+
+# lm-eval and its carried dependencies must import and load a task on this image: checked in every
+# phase (a few seconds), so that a wheel that does not fit shows in the first call, not the last
+preflight() {
+    "$PY" - "$DATA/eval" <<'PYEOF' || { echo "lm-eval preflight: FAILED (see above); fix the wheels before the evaluate phase"; return 1; }
+import sys, tempfile
+from pathlib import Path
+import datasets, lm_eval
+from lm_eval.models.huggingface import HFLM  # noqa: F401
+from lm_eval.tasks import TaskManager
+from occult.evaltasks import TASK_NAMES, make_task_dir
+task = sorted(p.stem for p in Path(sys.argv[1]).glob("*.jsonl"))[0]
+with tempfile.TemporaryDirectory() as tmp:
+    manager = TaskManager(include_path=str(make_task_dir(Path(sys.argv[1]), [task], Path(tmp) / "t")), include_defaults=False)
+    loaded = manager.load([TASK_NAMES[task]])
+    docs = len(list(next(iter(loaded["tasks"].values())).eval_docs))
+print(f"lm-eval preflight: ok (lm_eval {lm_eval.__version__ if hasattr(lm_eval, '__version__') else '?'}, "
+      f"datasets {datasets.__version__}; {task}: {docs} documents)")
+PYEOF
+}
+
+remaining() { echo $(( LIMIT - ($(date +%s) - phase_start) )); }
+left() { local r; r=$(remaining); [ "$r" -gt 1 ] && echo "$r" || echo 1; }     # `timeout 0` would mean no limit
+timing() { "$PY" - "$RES/timings.json" "$1" "$2" <<'PYEOF'
+import json, sys, time
+from pathlib import Path
+path = Path(sys.argv[1]); rows = json.loads(path.read_text()) if path.exists() else []
+rows.append({"stage": sys.argv[2], "seconds": float(sys.argv[3]), "at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+path.write_text(json.dumps(rows, indent=1) + "\n")
+PYEOF
+}
+
+bundle() {
+    cp "$OUT"/*.log "$RES/logs/" 2>/dev/null || true
+    if [ -d "$WORK/model/base" ]; then
+        cp "$WORK/model/base/occult_pretrain.json" "$WORK/model/base/config.json" "$RES/model/" 2>/dev/null || true
+    fi
+    tar -C "$RES" -czf "$OUT/quality_results.tar.gz.tmp" . && mv "$OUT/quality_results.tar.gz.tmp" "$OUT/quality_results.tar.gz"
+}
+trap bundle EXIT
+
+run_pretrain() {
+    [ -d "$WORK/model/base" ] && { echo "pretrain: done already"; return 0; }
+    local t0=$(date +%s) rc=0
+    timeout --signal=TERM --kill-after=30 "$(left)" "$PY" -m occult pretrain --config "$CONFIG" \
+        --data "$DATA" --out "$WORK/model/base" --log "$RES/model/pretrain_log.csv" \
+        --structure "$RES/model/router_structure.json" || rc=$?
+    timing pretrain $(( $(date +%s) - t0 ))
+    [ -d "$WORK/model/base" ] && return 0
+    echo "pretrain: paused (exit $rc); state in $WORK/model/base.resume; run this phase again"; return 3
+}
+
+run_variants() {
+    local t0=$(date +%s)
+    if [ ! -f "$RES/profile/profile.json" ]; then
+        "$PY" -m occult profile --config "$CONFIG" --model "$WORK/model/base" --data "$DATA" --out "$WORK/profile"
+        cp "$WORK/profile/profile.json" "$RES/profile/profile.json"
+        timing profile $(( $(date +%s) - t0 )); t0=$(date +%s)
+    fi
+    if [ ! -f "$RES/placement/expected_ct.csv" ]; then
+        "$PY" -m occult place --config "$CONFIG" --profile "$WORK/profile" --out "$RES/placement" \
+            --table "$RES/placement/expected_ct.csv"
+        timing place $(( $(date +%s) - t0 )); t0=$(date +%s)
+    fi
+    local rc=0
+    timeout --kill-after=30 "$(left)" "$PY" -m occult.finetune --config "$CONFIG" --model "$WORK/model/base" --data "$DATA" --profile "$WORK/profile" \
+        --placements "$RES/placement" --out "$WORK/finetune" --logs "$RES/finetune" \
+        --time-limit $(( $(remaining) - 60 )) || rc=$?
+    timing finetune $(( $(date +%s) - t0 ))
+    return $rc
+}
+
+run_evaluate() {
+    local t0=$(date +%s) rc=0
+    timeout --kill-after=30 "$(left)" "$PY" -m occult.evaluate --config "$CONFIG" --model "$WORK/model/base" --arms "$WORK/finetune" --data "$DATA" \
+        --profile "$WORK/profile" --placements "$RES/placement" --out "$RES/evaluate" \
+        --time-limit $(( $(remaining) - 90 )) ${EVAL_LIMIT:+--limit $EVAL_LIMIT} || rc=$?
+    timing evaluate $(( $(date +%s) - t0 ))
+    return $rc
+}
+
+case "$PHASE" in
+    pretrain) preflight || true; run_pretrain ;;
+    variants) preflight || true; run_variants ;;
+    evaluate) preflight && run_evaluate ;;
+    all) LIMIT=$(( LIMIT * 3 )); run_pretrain && run_variants && run_evaluate ;;
+    *) echo "unknown phase $PHASE (pretrain|variants|evaluate|all)" >&2; exit 2 ;;
+esac
