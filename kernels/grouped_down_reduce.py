@@ -14,13 +14,15 @@ the gate's dtype); `expert_offsets` int [E+1]; `w_down_EDF` [E, D, F]; `y_RD` [R
 Design:
 * Same tile schedule as `grouped_swiglu` (device-side cumsum over per-expert tile counts, a
   fixed bound cdiv(M, BLOCK_M) + E of M-tiles, idle programs exit, swizzled program order).
-* Forward: the GEMM epilogue multiplies by gate[m] and writes each pair's row in fp32 to an
-  [M, D] buffer; a segmented sum over the row→pairs CSR (`combine.segment_sum_rows`) then adds
-  the pairs of each row in a fixed order and writes y in h's dtype. This deterministic two-step
+* Forward: the GEMM epilogue multiplies by gate[m] and writes each pair's row to an [M, D]
+  buffer (`partial_dtype`: h's dtype for 16-bit activations — each pair's contribution rounded
+  once, exactly as per-expert dispatch rounds each expert's returned row — fp32 otherwise); a
+  segmented sum over the row→pairs CSR (`combine.segment_sum_rows`, or the row table) then adds
+  the pairs of each row in fp32 in a fixed order and writes y in h's dtype. This deterministic two-step
   was chosen over fp32 atomics into an [R, D] buffer: results are bitwise reproducible run to run,
   re-running a kernel (the autotuner does) cannot double-count, no [R, D] fp32 buffer + cast pass
-  is needed, and the interpreter has no bf16 atomics. Its price is M·D·8 bytes of extra traffic
-  (write + read of the fp32 pair rows), see docs/kernels.md.
+  is needed, and the interpreter has no bf16 atomics. Its price is M·D·2·(2 or 4) bytes of extra
+  traffic (write + read of the pair rows), see docs/kernels.md.
 * Backward dh/dgate: one gathered GEMM dy[row] @ Wd[e] per (M-tile, F-tile); the epilogue writes
   dh = gate·a and the partial dot ⟨a, h⟩ of its F block to a [F-tiles, M] fp32 buffer that is
   summed afterwards (deterministic; no atomics). dy is gathered inside the kernel.
@@ -39,6 +41,7 @@ import triton.language as tl
 from .combine import check_row_table, gather_sum_rows, row_csr, segment_sum_rows
 from .grouped_swiglu import (
     GROUP_M,
+    partial_dtype,
     SINGLE_ACC_CONFIGS,
     check_grouped_args,
     dot_precision,
@@ -234,7 +237,7 @@ def grouped_down_reduce_forward(
     if scatter_rows:
         yp_MD = torch.empty(num_rows, hidden, dtype=h_MF.dtype, device=h_MF.device)
     else:
-        yp_MD = torch.empty(num_pairs, hidden, dtype=torch.float32, device=h_MF.device)
+        yp_MD = torch.empty(num_pairs, hidden, dtype=partial_dtype(h_MF.dtype), device=h_MF.device)
     args = (
         h_MF, pair_gate_M, expert_offsets, w_down_EDF, yp_MD, pair_row_M,
         num_pairs, hidden, ffn, num_experts,

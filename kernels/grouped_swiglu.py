@@ -26,7 +26,7 @@ Design:
   the OLMoE shape on an H200). The forward writes them only when autograd will need them.
 * dg/du are recomputed from (dh, g, u) inside both backward GEMMs (in their A-operand prologue),
   so the [M, 2F] gradient of the pre-activations is never materialised.
-* dx: each pair's dx row goes to an fp32 [M, D] buffer, then a deterministic segmented sum over
+* dx: each pair's dx row goes to an [M, D] buffer (`partial_dtype`), then a deterministic fp32 sum over
   a row→pairs CSR (see `combine.py`) adds the pairs of each row in a fixed order (no atomics:
   bitwise reproducible, autotune-safe, and the interpreter has no bf16 atomics).
 * dW: one program per (expert, F block, D block), looping over that expert's pairs; an empty
@@ -99,6 +99,13 @@ def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dty
         tuned[grid](*args, **consts)
     else:
         kernel[grid(meta)](*args, **consts, **meta)
+
+
+def partial_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of per-pair rows that are summed per row afterwards (in fp32): the activation dtype for
+    16-bit activations (half the memory traffic; one rounding per pair, as per-expert dispatch
+    rounds each returned row), fp32 for fp32 inputs."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -424,7 +431,7 @@ def grouped_swiglu_backward(
             if scatter_rows:    # one pair per row: the GEMM writes dx directly
                 dxp_MD = torch.empty(num_rows, hidden, dtype=x_RD.dtype, device=x_RD.device)
             else:
-                dxp_MD = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x_RD.device)
+                dxp_MD = torch.empty(num_pairs, hidden, dtype=partial_dtype(x_RD.dtype), device=x_RD.device)
             args = (
                 dh_MF, preact_M2F, expert_offsets, w_gate_up_E2FD, dxp_MD, pair_row_M,
                 num_pairs, hidden, ffn, num_experts,
