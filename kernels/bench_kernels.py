@@ -144,9 +144,22 @@ def down_reduce_grouped_mm(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down
     return out.index_add_(0, pair_row_M, y_MD).to(h_MF.dtype)
 
 
-SWIGLU_IMPLS = {"triton": grouped_swiglu, "reference": grouped_swiglu_ref, "grouped_mm": swiglu_grouped_mm}
-DOWN_IMPLS = {"triton": grouped_down_reduce, "reference": grouped_down_reduce_ref,
-              "grouped_mm": down_reduce_grouped_mm}
+def swiglu_materialized(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD):
+    """The Triton op whose backward forms [dg | du] in one elementwise pass (mode taken at forward)."""
+    import importlib
+
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    saved, module.SWIGLU_BWD_MODE = module.SWIGLU_BWD_MODE, "materialized"
+    try:
+        return grouped_swiglu(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD)
+    finally:
+        module.SWIGLU_BWD_MODE = saved
+
+
+SWIGLU_IMPLS = {"triton": grouped_swiglu, "triton_materialized": swiglu_materialized,
+                "reference": grouped_swiglu_ref, "grouped_mm": swiglu_grouped_mm}
+DOWN_IMPLS = {"triton": grouped_down_reduce, "triton_materialized": grouped_down_reduce,
+              "reference": grouped_down_reduce_ref, "grouped_mm": down_reduce_grouped_mm}
 COMBINE_IMPLS = {"triton": combine, "reference": combine_ref}
 
 
@@ -211,10 +224,10 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
-def check_against_reference(case: Case) -> float:
-    """Largest relative error of the Triton output and gradients vs the reference run on fp32
-    copies of the same inputs."""
-    out = case.run("triton", case.leaves)
+def check_against_reference(case: Case, impl: str = "triton") -> float:
+    """Largest relative error of a Triton implementation's output and gradients vs the reference
+    run on fp32 copies of the same inputs."""
+    out = case.run(impl, case.leaves)
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, case.leaves, grad_out)
     leaves32 = tuple(leaf.detach().float().requires_grad_() for leaf in case.leaves)
@@ -330,11 +343,12 @@ def main(argv: list[str] | None = None) -> int:
                          "T": work.brim0_TJ.shape[0], "S": work.z_SD.shape[0]}
         cases = [case for case in make_cases(work) if case.op in args.ops]
         for case in tqdm(cases, desc=f"bench_kernels {routing}", file=sys.stderr):
-            error = check_against_reference(case)
-            if not error <= REL_ERR_LIMIT:
-                failures.append(f"{routing}/{case.op}: relative error {error:.3g} > {REL_ERR_LIMIT}")
+            errors = {impl: check_against_reference(case, impl) for impl in case.impls if impl.startswith("triton")}
+            for impl, error in errors.items():
+                if not error <= REL_ERR_LIMIT:
+                    failures.append(f"{routing}/{case.op}/{impl}: relative error {error:.3g} > {REL_ERR_LIMIT}")
             for row in bench_case(case, on_gpu, args.warmup_ms, args.rep_ms):
-                row["rel_err_vs_fp32"] = error if row["impl"] == "triton" else float("nan")
+                row["rel_err_vs_fp32"] = errors.get(row["impl"], float("nan"))
                 results.append({**workload_cols, **row, **meta})
     frame = pd.DataFrame(results)
     if args.out.exists():

@@ -235,11 +235,33 @@ def _swiglu_grad_preact(dh, g, u):
 
 
 @triton.jit
+def _swiglu_preact_grad_kernel(
+    dh_ptr, pre_ptr, out_ptr, M, F,
+    stride_dm, stride_df, stride_pm, stride_pf, stride_om, stride_of,
+    BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    """out[:, :F] = dg, out[:, F:] = du for a [BLOCK_T, BLOCK_F] tile (fp32 math)."""
+    offs_m = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (offs_m[:, None] < M) & (offs_f[None, :] < F)
+    g_ptrs = pre_ptr + offs_m[:, None] * stride_pm + offs_f[None, :] * stride_pf
+    dg, du = _swiglu_grad_preact(
+        tl.load(dh_ptr + offs_m[:, None] * stride_dm + offs_f[None, :] * stride_df, mask=mask, other=0.0),
+        tl.load(g_ptrs, mask=mask, other=0.0),
+        tl.load(g_ptrs + F * stride_pf, mask=mask, other=0.0),
+    )
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_f[None, :] * stride_of
+    tl.store(o_ptrs, dg.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_ptrs + F * stride_of, du.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _swiglu_bwd_dx_kernel(
     dh_ptr, pre_ptr, offsets_ptr, w_ptr, dxp_ptr, row_ptr,
     M, D, F, num_experts,
     stride_dm, stride_df, stride_pm, stride_pf, stride_we, stride_wf, stride_wd, stride_xm, stride_xd,
     SCATTER_ROWS: tl.constexpr, PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
+    GRADS_READY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
@@ -262,11 +284,15 @@ def _swiglu_bwd_dx_kernel(
     for k0 in range(0, F, BLOCK_K):
         mask_k = offs_k < F - k0
         mask_a = mask_m[:, None] & mask_k[None, :]
-        dg, du = _swiglu_grad_preact(
-            tl.load(dh_ptrs, mask=mask_a, other=0.0),
-            tl.load(g_ptrs, mask=mask_a, other=0.0),
-            tl.load(u_ptrs, mask=mask_a, other=0.0),
-        )
+        if GRADS_READY:     # pre_ptr holds [dg | du] (`swiglu_preact_grad`)
+            dg = tl.load(g_ptrs, mask=mask_a, other=0.0)
+            du = tl.load(u_ptrs, mask=mask_a, other=0.0)
+        else:
+            dg, du = _swiglu_grad_preact(
+                tl.load(dh_ptrs, mask=mask_a, other=0.0),
+                tl.load(g_ptrs, mask=mask_a, other=0.0),
+                tl.load(u_ptrs, mask=mask_a, other=0.0),
+            )
         bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(dg.to(bg.dtype), bg, acc, input_precision=PRECISION)
@@ -289,7 +315,7 @@ def _swiglu_bwd_dw_kernel(
     dh_ptr, pre_ptr, x_ptr, row_ptr, offsets_ptr, dw_ptr,
     D, F,
     stride_dm, stride_df, stride_pm, stride_pf, stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, GRADS_READY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Output tile [BLOCK_M of F, BLOCK_N of D] of expert e; the reduction runs over e's pairs.
@@ -314,11 +340,16 @@ def _swiglu_bwd_dw_kernel(
         pairs64 = pairs.to(tl.int64)
         mask_kf = mask_k[:, None] & mask_f[None, :]
         g_ptrs = pre_ptr + pairs64[:, None] * stride_pm + offs_f[None, :] * stride_pf
-        dg, du = _swiglu_grad_preact(
-            tl.load(dh_ptr + pairs64[:, None] * stride_dm + offs_f[None, :] * stride_df, mask=mask_kf, other=0.0),
-            tl.load(g_ptrs, mask=mask_kf, other=0.0),
-            tl.load(g_ptrs + F * stride_pf, mask=mask_kf, other=0.0),
-        )
+        if GRADS_READY:     # pre_ptr holds [dg | du]
+            dg = tl.load(g_ptrs, mask=mask_kf, other=0.0)
+            du = tl.load(g_ptrs + F * stride_pf, mask=mask_kf, other=0.0)
+        else:
+            dg, du = _swiglu_grad_preact(
+                tl.load(dh_ptr + pairs64[:, None] * stride_dm + offs_f[None, :] * stride_df, mask=mask_kf,
+                        other=0.0),
+                tl.load(g_ptrs, mask=mask_kf, other=0.0),
+                tl.load(g_ptrs + F * stride_pf, mask=mask_kf, other=0.0),
+            )
         rows = tl.load(row_ptr + pairs, mask=mask_k, other=0).to(tl.int64)
         xk = tl.load(x_ptr + rows[:, None] * stride_xr + offs_d[None, :] * stride_xd,
                      mask=mask_k[:, None] & mask_d[None, :], other=0.0)
@@ -331,8 +362,31 @@ def _swiglu_bwd_dw_kernel(
 
 
 _swiglu_fwd_tuned = triton.autotune(configs=list(SWIGLU_FWD_CONFIGS), key=["D", "F"])(_swiglu_fwd_kernel)
-_swiglu_bwd_dx_tuned = triton.autotune(configs=list(SWIGLU_DX_CONFIGS), key=["D", "F"])(_swiglu_bwd_dx_kernel)
-_swiglu_bwd_dw_tuned = triton.autotune(configs=list(SWIGLU_DW_CONFIGS), key=["D", "F"])(_swiglu_bwd_dw_kernel)
+_swiglu_bwd_dx_tuned = triton.autotune(configs=list(SWIGLU_DX_CONFIGS), key=["D", "F", "GRADS_READY"])(
+    _swiglu_bwd_dx_kernel)
+_swiglu_bwd_dw_tuned = triton.autotune(configs=list(SWIGLU_DW_CONFIGS), key=["D", "F", "GRADS_READY"])(
+    _swiglu_bwd_dw_kernel)
+
+# How the backward gets dg, du (bench both on a GPU before changing the default):
+#   "fused":        recomputed from (dh, g, u) in the A-operand prologue of both GEMMs (no extra
+#                   memory, but D/BLOCK_N-fold repeated elementwise work and 3 loads per A tile);
+#   "materialized": one elementwise pass writes [dg | du] [M, 2F] in x's dtype, then both GEMMs
+#                   load it directly (M·2F·2·2 extra bytes of traffic).
+SWIGLU_BWD_MODES = ("fused", "materialized")
+SWIGLU_BWD_MODE = "fused"
+
+
+def swiglu_preact_grad(dh_MF: torch.Tensor, preact_M2F: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[dg | du] [M, 2F] in `dtype` from dh [M, F] and the saved pre-activations [g | u]."""
+    num_pairs, ffn = dh_MF.shape
+    out = torch.empty(num_pairs, 2 * ffn, dtype=dtype, device=dh_MF.device)
+    if num_pairs == 0 or ffn == 0:
+        return out
+    block_t, block_f = (16, 16) if interpreting() else (32, 128)
+    grid = (triton.cdiv(num_pairs, block_t), triton.cdiv(ffn, block_f))
+    _swiglu_preact_grad_kernel[grid](dh_MF, preact_M2F, out, num_pairs, ffn, *dh_MF.stride(), *preact_M2F.stride(),
+                                     *out.stride(), BLOCK_T=block_t, BLOCK_F=block_f)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -402,9 +456,11 @@ def grouped_swiglu_backward(
     need_dx: bool,
     need_dw: bool,
     row_pairs_RK: torch.Tensor | None = None,
+    bwd_mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx_RD, dW_E2FD); a gradient that is not needed comes back as an empty [0] tensor.
-    `row_pairs_RK` [R, K], if given, lists each row's pairs and replaces the sort by row."""
+    `row_pairs_RK` [R, K], if given, lists each row's pairs and replaces the sort by row.
+    `bwd_mode` (default `SWIGLU_BWD_MODE`) selects how dg, du are formed."""
     _check_swiglu(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD)
     if row_pairs_RK is not None:
         check_row_table("grouped_swiglu", row_pairs_RK, x_RD.shape[0], x_RD.device)
@@ -422,6 +478,12 @@ def grouped_swiglu_backward(
         raise ValueError(f"grouped_swiglu backward: dh_MF is {tuple(dh_MF.shape)}, expected ({num_pairs}, {ffn})")
     dx_RD, dw_E2FD = x_RD.new_empty(0), w_gate_up_E2FD.new_empty(0)
     precision = dot_precision(x_RD.dtype)
+    bwd_mode = SWIGLU_BWD_MODE if bwd_mode is None else bwd_mode
+    if bwd_mode not in SWIGLU_BWD_MODES:
+        raise ValueError(f"SWIGLU_BWD_MODE: {bwd_mode!r} is not one of {SWIGLU_BWD_MODES}")
+    ready = bwd_mode == "materialized" and num_pairs > 0 and (need_dx or need_dw)
+    if ready:      # the GEMMs read [dg | du] through the pre-activation arguments
+        preact_M2F = swiglu_preact_grad(dh_MF, preact_M2F, x_RD.dtype)
     if need_dx:
         if num_pairs == 0 or ffn == 0 or hidden == 0:
             dx_RD = torch.zeros_like(x_RD, memory_format=torch.contiguous_format)
@@ -438,7 +500,7 @@ def grouped_swiglu_backward(
                 *dh_MF.stride(), *preact_M2F.stride(), *w_gate_up_E2FD.stride(), *dxp_MD.stride(),
             )
             consts = dict(SCATTER_ROWS=scatter_rows, PRECISION=precision, GROUP_SIZE=GROUP_M,
-                          EXPERTS_P2=triton.next_power_of_2(num_experts))
+                          EXPERTS_P2=triton.next_power_of_2(num_experts), GRADS_READY=ready)
 
             def grid_dx(meta):
                 return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
@@ -465,8 +527,8 @@ def grouped_swiglu_backward(
             def grid_dw(meta):
                 return (num_experts * triton.cdiv(ffn, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
-            launch_gemm(_swiglu_bwd_dw_tuned, _swiglu_bwd_dw_kernel, grid_dw, args, dict(PRECISION=precision),
-                        x_RD.dtype, num_pairs)
+            launch_gemm(_swiglu_bwd_dw_tuned, _swiglu_bwd_dw_kernel, grid_dw, args,
+                        dict(PRECISION=precision, GRADS_READY=ready), x_RD.dtype, num_pairs)
     return dx_RD, dw_E2FD
 
 
@@ -494,14 +556,15 @@ def _(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact, row_pairs_R
 def _grouped_swiglu_backward_op(
     dh_MF: torch.Tensor, x_RD: torch.Tensor, pair_row_M: torch.Tensor, expert_offsets: torch.Tensor,
     w_gate_up_E2FD: torch.Tensor, preact_M2F: torch.Tensor, need_dx: bool, need_dw: bool,
-    row_pairs_RK: torch.Tensor | None = None,
+    row_pairs_RK: torch.Tensor | None = None, bwd_mode: str = "fused",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return grouped_swiglu_backward(dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F,
-                                   need_dx, need_dw, row_pairs_RK)
+                                   need_dx, need_dw, row_pairs_RK, bwd_mode)
 
 
 @_grouped_swiglu_backward_op.register_fake
-def _(dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw, row_pairs_RK=None):
+def _(dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw, row_pairs_RK=None,
+      bwd_mode="fused"):
     dx = x_RD.new_empty(x_RD.shape if need_dx else (0,))
     dw = w_gate_up_E2FD.new_empty(w_gate_up_E2FD.shape if need_dw else (0,))
     return dx, dw
@@ -513,6 +576,7 @@ def _swiglu_setup_context(ctx, inputs, output) -> None:
     _, preact_M2F = output
     ctx.save_for_backward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, row_pairs_RK)
     ctx.set_materialize_grads(False)
+    ctx.bwd_mode = SWIGLU_BWD_MODE          # the mode in force when the forward ran
 
 
 def _swiglu_grad(ctx, dh_MF, _dpreact):
@@ -521,7 +585,8 @@ def _swiglu_grad(ctx, dh_MF, _dpreact):
     if dh_MF is None or not (need_dx or need_dw):
         return None, None, None, None, None, None
     dx_RD, dw_E2FD = _grouped_swiglu_backward_op(
-        dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw, row_pairs_RK
+        dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw, row_pairs_RK,
+        ctx.bwd_mode,
     )
     return (dx_RD if need_dx else None), None, None, (dw_E2FD if need_dw else None), None, None
 

@@ -64,6 +64,16 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", nan_empty)
 
 
+@pytest.fixture(params=["fused", "materialized"])
+def bwd_mode(request, monkeypatch):
+    """Both ways the backward gets (dg, du): recomputed in the GEMM prologues, or one elementwise pass."""
+    import importlib
+
+    module = importlib.import_module("occult.kernels.grouped_swiglu")   # the package re-exports the op
+    monkeypatch.setattr(module, "SWIGLU_BWD_MODE", request.param)
+    return request.param
+
+
 def reference_grads(x, pair_row, offsets, w, grad_out):
     x32 = x.detach().float().requires_grad_()
     w32 = w.detach().float().requires_grad_()
@@ -76,7 +86,7 @@ def reference_grads(x, pair_row, offsets, w, grad_out):
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=str)
 @pytest.mark.parametrize("case", list(CASES))
-def test_forward_and_grads_match_reference(case, dtype, poisoned_empty):
+def test_forward_and_grads_match_reference(case, dtype, poisoned_empty, bwd_mode):
     atol, rtol = DTYPES[dtype]
     x, pair_row, offsets, w = make_case(case, dtype)
     x.requires_grad_()
@@ -146,13 +156,13 @@ def test_opcheck_registrations():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["npow2", "hot_expert", "empty_experts"])
-def test_bf16_on_gpu(case):
+def test_bf16_on_gpu(case, bwd_mode):
     x, pair_row, offsets, w = make_case(case, torch.bfloat16)
     _check_bf16(x, pair_row, offsets, w)
 
 
 @pytest.mark.gpu
-def test_bf16_on_gpu_autotuned_shape():
+def test_bf16_on_gpu_autotuned_shape(bwd_mode):
     gen = torch.Generator().manual_seed(3)
     rows, hidden, ffn, experts = 3500, 256, 192, 8  # M > AUTOTUNE_MIN_PAIRS
     routing = [torch.randperm(experts, generator=gen)[:3].tolist() for _ in range(rows)]
@@ -228,20 +238,24 @@ def _compile_every_launch_for_sm90() -> int:
                 setattr(module, name, Recorder(value))
 
     gen = torch.Generator().manual_seed(0)
-    for hidden, ffn, num_pairs in ((64, 32, 9000), (48, 40, 100)):   # autotuned / fixed-config paths
-        for dtype in (torch.bfloat16, torch.float32):
-            experts, rows = 4, num_pairs // 2
-            pair_row = torch.randint(0, rows, (num_pairs,), generator=gen)
-            offsets = torch.tensor([0, num_pairs // 3, num_pairs // 3, num_pairs - 7, num_pairs])
-            x = torch.randn(rows, hidden, dtype=dtype, requires_grad=True)
-            w1 = torch.randn(experts, 2 * ffn, hidden, dtype=dtype, requires_grad=True)
-            w2 = torch.randn(experts, hidden, ffn, dtype=dtype, requires_grad=True)
-            gate = torch.rand(num_pairs, requires_grad=True)
-            h = grouped_swiglu(x, pair_row, offsets, w1)
-            y = grouped_down_reduce(h, pair_row, gate, offsets, w2, rows)
-            brim = torch.randperm(2 * rows, generator=gen)[: rows].view(-1, 2)
-            out = combine(y, brim)
-            torch.autograd.grad(out, (x, w1, w2, gate), torch.randn_like(out))
+    cases = [(hidden, ffn, num_pairs, dtype, mode)
+             for hidden, ffn, num_pairs in ((64, 32, 9000), (48, 40, 100))   # autotuned / fixed-config paths
+             for dtype in (torch.bfloat16, torch.float32)
+             for mode in modules[0].SWIGLU_BWD_MODES]
+    for hidden, ffn, num_pairs, dtype, mode in cases:
+        modules[0].SWIGLU_BWD_MODE = mode
+        experts, rows = 4, num_pairs // 2
+        pair_row = torch.randint(0, rows, (num_pairs,), generator=gen)
+        offsets = torch.tensor([0, num_pairs // 3, num_pairs // 3, num_pairs - 7, num_pairs])
+        x = torch.randn(rows, hidden, dtype=dtype, requires_grad=True)
+        w1 = torch.randn(experts, 2 * ffn, hidden, dtype=dtype, requires_grad=True)
+        w2 = torch.randn(experts, hidden, ffn, dtype=dtype, requires_grad=True)
+        gate = torch.rand(num_pairs, requires_grad=True)
+        h = grouped_swiglu(x, pair_row, offsets, w1)
+        y = grouped_down_reduce(h, pair_row, gate, offsets, w2, rows)
+        brim = torch.randperm(2 * rows, generator=gen)[: rows].view(-1, 2)
+        out = combine(y, brim)
+        torch.autograd.grad(out, (x, w1, w2, gate), torch.randn_like(out))
 
     type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                   torch.int64: "i64", torch.int32: "i32"}
