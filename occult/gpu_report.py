@@ -135,9 +135,22 @@ def load_ep(run_dir: Path) -> tuple[pd.DataFrame, float]:
     return pd.concat(frames, ignore_index=True), float(pd.read_csv(peak_file)["tflops"].iloc[0])
 
 
-def ep_summary(frame: pd.DataFrame, peak_tflops: float) -> pd.DataFrame:
+def measured_alltoall_curve(run_dir: Path) -> tuple[tuple[tuple[float, float], ...], str]:
+    """(curve, source): the newest `results/<machine>/comm_*/alltoall.csv` of the same machine
+    (equal splits, bf16, D=2: (bytes per rank, algbw GB/s)), else DESIGN.md's table."""
+    for csv in sorted(run_dir.parent.glob("comm_*/alltoall.csv"), reverse=True):
+        table = pd.read_csv(csv)
+        rows = table[(table["pattern"] == "equal") & (table["dtype"] == "bfloat16") & (table["D"] == 2)]
+        rows = rows.groupby("bytes_per_rank", as_index=False)["algbw_gbps"].median()
+        if len(rows) >= 2:
+            return tuple(zip(rows["bytes_per_rank"].astype(float), rows["algbw_gbps"].astype(float))), str(csv)
+    return NCCL_ALLTOALL_2GPU, "DESIGN.md all_to_all_single table (2xH200)"
+
+
+def ep_summary(frame: pd.DataFrame, peak_tflops: float,
+               curve: tuple[tuple[float, float], ...] = NCCL_ALLTOALL_2GPU) -> pd.DataFrame:
     """Per (kind, routing, method, tokens): times, expert TFLOP/s (experts phase, or the whole step
-    for `-compute`), % of peak, wire bytes and their NCCL time on the measured algbw curve."""
+    for `-compute`), % of peak, wire bytes and their NCCL time on the measured algbw `curve`."""
     ok = frame[frame["status"] == "ok"].copy()
     passes = ok["kind"].map({"train": 3.0}).fillna(1.0)              # fwd+bwd = 3 GEMM passes
     flops = 2.0 * ok["pairs_received_max"] * 3 * ok["hidden"] * ok["ffn"] * passes
@@ -149,7 +162,7 @@ def ep_summary(frame: pd.DataFrame, peak_tflops: float) -> pd.DataFrame:
     devices = ok["D"].clip(lower=2)
     # bytes_sent = remote bytes of both directions; the NCCL buffer also holds the local share.
     buffer_each_way = ok["bytes_sent"] / 2 * devices / (devices - 1)
-    ok["nccl_comm_ms"] = [2 * b / nccl_algbw_gbs(b) / 1e6 if b > 0 else 0.0 for b in buffer_each_way]
+    ok["nccl_comm_ms"] = [2 * b / nccl_algbw_gbs(b, curve) / 1e6 if b > 0 else 0.0 for b in buffer_each_way]
     keep = ["run", "kind", "routing", "method", "D", "tokens_per_gpu", "batch", "median_ms", "dispatch_ms", "experts_ms",
             "combine_ms", "bytes_sent", "nccl_comm_ms", "mean_devices_per_token", "pairs_received_max",
             "expert_tflops", "pct_of_peak", "flop_floor_ms", "max_rel_err", "peak_mem_gib"]
@@ -223,7 +236,8 @@ def plot_ep(summary: pd.DataFrame, figures_dir: Path) -> None:
 
 def make_ep_report(run_dir: Path, figures_dir: Path) -> None:
     frame, peak = load_ep(run_dir)
-    summary = ep_summary(frame, peak)
+    curve, source = measured_alltoall_curve(run_dir)
+    summary = ep_summary(frame, peak, curve).assign(nccl_curve=source)
     write_csv(run_dir / "summary.csv", summary)
     write_csv(run_dir / "targets.csv", ep_targets(summary))
     figures_dir.mkdir(parents=True, exist_ok=True)
@@ -244,4 +258,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from occult.logs import run_main
+
+    raise SystemExit(run_main("gpu_report", main, output_flags=("--figures",)))

@@ -1,0 +1,93 @@
+"""Tables and figures from committed GPU results: the EP benchmark's summary and targets, and the
+sweeps' speedups, on small hand-made CSVs (values checked by hand)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from occult import gpu_report
+
+
+def ep_rows(run: str, kind: str = "prefill") -> pd.DataFrame:
+    base = {"kind": kind, "routing": "uniform", "D": 2, "tokens_per_gpu": 16384, "batch": None, "hidden": 2048,
+            "ffn": 1024, "status": "ok", "bytes_sent": 2 * 2**27, "mean_devices_per_token": 2.0,
+            "pairs_received_max": 131072, "max_rel_err": 0.005, "peak_mem_gib": 10.0}
+    methods = {"occult": (7.0, 3.0, 3.5, 0.5), "occult-pe": (7.7, 3.0, 3.2, 1.5), "occult-graph": (5.0, None, None, None),
+               "occult-compute": (4.0, None, None, None), "occult-nd1-graph": (4.4, None, None, None)}
+    return pd.DataFrame([{**base, "method": m, "median_ms": t, "dispatch_ms": d, "experts_ms": e, "combine_ms": c}
+                         for m, (t, d, e, c) in methods.items()])
+
+
+def write_ep_run(run_dir: Path, peak: float = 800.0) -> None:
+    run_dir.mkdir(parents=True)
+    ep_rows("a").to_csv(run_dir / "ep_prefill_uniform_D2.csv", index=False)
+    pd.DataFrame([{"gpu": "x", "op": "matmul", "median_ms": 1.0, "tflops": peak}]).to_csv(run_dir / "peak.csv",
+                                                                                       index=False)
+
+
+def test_algbw_interpolates_in_log_size_and_clamps():
+    curve = ((2**20, 10.0), (2**30, 110.0))
+    assert gpu_report.nccl_algbw_gbs(2**25, curve) == pytest.approx(60.0)        # halfway in log size
+    assert gpu_report.nccl_algbw_gbs(2**31, curve) == 110.0
+    assert gpu_report.nccl_algbw_gbs(2**19, curve) == pytest.approx(5.0)          # flat time below the curve
+    sizes = [2**k for k in range(16, 32)]
+    rates = [gpu_report.nccl_algbw_gbs(s) for s in sizes]
+    assert rates == sorted(rates)
+
+
+def test_ep_summary_and_targets_by_hand(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "ep_v1"
+    write_ep_run(run_dir, peak=800.0)
+    frame, peak = gpu_report.load_ep(run_dir)
+    summary = gpu_report.ep_summary(frame, peak).set_index("method")
+    flops = 2.0 * 131072 * 3 * 2048 * 1024
+    assert summary.loc["occult", "expert_tflops"] == pytest.approx(flops / 3.5 / 1e9)       # experts phase
+    assert summary.loc["occult-compute", "expert_tflops"] == pytest.approx(flops / 4.0 / 1e9)   # whole step
+    assert summary.loc["occult-compute", "pct_of_peak"] == pytest.approx(flops / 4.0 / 1e9 / 800.0)
+    assert summary.loc["occult", "flop_floor_ms"] == pytest.approx(flops / 800.0 / 1e9)
+    # remote bytes both ways 2^28 -> buffer each way 2^27 remote * 2 (D=2) = 2^28 per direction.
+    expected_comm = 2 * 2**28 / gpu_report.nccl_algbw_gbs(2**28) / 1e6
+    assert summary.loc["occult", "nccl_comm_ms"] == pytest.approx(expected_comm)
+    targets = gpu_report.ep_targets(summary.reset_index()).set_index("target")
+    assert targets.loc["occult-graph speedup over per_expert dispatch", "measured"] == pytest.approx(7.7 / 5.0)
+    assert bool(targets.loc["occult-graph speedup over per_expert dispatch", "met"])
+    assert not bool(targets.loc["occult speedup over per_expert dispatch", "met"])              # 1.1 < 1.4
+    assert targets.loc["occult-nd1-graph over the expert-compute floor", "measured"] == pytest.approx(1.1)
+    assert bool(targets.loc["occult-nd1-graph over the expert-compute floor", "met"])          # 1.1 <= 1.15
+    assert not bool(targets.loc["expert kernels, fraction of bf16 peak", "met"])
+
+
+def test_ep_report_writes_tables_and_figures_and_names_a_missing_peak(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "ep_v1"
+    write_ep_run(run_dir)
+    figures = tmp_path / "figures"
+    gpu_report.make_ep_report(run_dir, figures)
+    assert (run_dir / "summary.csv").is_file() and (run_dir / "targets.csv").is_file()
+    assert (figures / "ep_latency.png").stat().st_size > 0 and (figures / "ep_phases.png").stat().st_size > 0
+    assert set(pd.read_csv(run_dir / "summary.csv")["nccl_curve"]) == {"DESIGN.md all_to_all_single table (2xH200)"}
+    (run_dir / "peak.csv").unlink()
+    with pytest.raises(FileNotFoundError, match="peak.csv"):
+        gpu_report.make_ep_report(run_dir, figures)
+
+
+def test_a_measured_alltoall_curve_of_the_machine_is_preferred(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "ep_v1"
+    write_ep_run(run_dir)
+    comm = run_dir.parent / "comm_v1"
+    comm.mkdir()
+    pd.DataFrame([{"D": 2, "pattern": "equal", "dtype": "bfloat16", "bytes_per_rank": b, "algbw_gbps": r}
+                  for b, r in ((2**20, 20.0), (2**30, 600.0))]).to_csv(comm / "alltoall.csv", index=False)
+    curve, source = gpu_report.measured_alltoall_curve(run_dir)
+    assert curve == ((2.0**20, 20.0), (2.0**30, 600.0)) and source.endswith("comm_v1/alltoall.csv")
+
+
+def test_sweep_speedups_by_hand():
+    rows = [{"kind": "prefill", "status": "ok", "tokens_per_gpu": 16384, "shape": "olmoe", "D": 2,
+             "method": m, "median_ms": t} for m, t in (("occult", 8.0), ("occult-graph", 4.0), ("megablocks", 6.0))]
+    table = gpu_report.speedups(pd.DataFrame(rows)).set_index(["occult", "baseline"])
+    assert table.loc[("occult", "megablocks"), "speedup"] == pytest.approx(0.75)
+    assert table.loc[("occult-graph", "megablocks"), "speedup"] == pytest.approx(1.5)
+    assert ("occult", "occult-graph") not in table.index                  # Occult variants are not baselines
