@@ -24,8 +24,9 @@ Design:
   x's dtype, written by the same epilogue) rather than recomputed: recomputing costs another
   M·2F·D GEMM (+50% backward FLOPs), saving costs M·2F·2 bytes of memory traffic (≈0.1 ms at
   the OLMoE shape on an H200). The forward writes them only when autograd will need them.
-* dg/du are recomputed from (dh, g, u) inside both backward GEMMs (in their A-operand prologue),
-  so the [M, 2F] gradient of the pre-activations is never materialised.
+* dg/du come from one elementwise pass that writes [dg | du] [M, 2F] once (`SWIGLU_BWD_MODE =
+  "materialized"`, the default: measured faster), or are recomputed inside both backward GEMMs'
+  A-operand prologues ("fused", never materialised).
 * dx: each pair's dx row goes to an [M, D] buffer (`partial_dtype`), then a deterministic fp32 sum over
   a row→pairs CSR (see `combine.py`) adds the pairs of each row in a fixed order (no atomics:
   bitwise reproducible, autotune-safe, and the interpreter has no bf16 atomics).
@@ -367,13 +368,15 @@ _swiglu_bwd_dx_tuned = triton.autotune(configs=list(SWIGLU_DX_CONFIGS), key=["D"
 _swiglu_bwd_dw_tuned = triton.autotune(configs=list(SWIGLU_DW_CONFIGS), key=["D", "F", "GRADS_READY"])(
     _swiglu_bwd_dw_kernel)
 
-# How the backward gets dg, du (bench both on a GPU before changing the default):
+# How the backward gets dg, du:
 #   "fused":        recomputed from (dh, g, u) in the A-operand prologue of both GEMMs (no extra
 #                   memory, but D/BLOCK_N-fold repeated elementwise work and 3 loads per A tile);
 #   "materialized": one elementwise pass writes [dg | du] [M, 2F] in x's dtype, then both GEMMs
-#                   load it directly (M·2F·2·2 extra bytes of traffic).
+#                   load it directly (M·2F·2·2 extra bytes of traffic). The default: on one H200,
+#                   OLMoE shape, 2^14 tokens × 2 ranks, SwiGLU fwd+bwd 13.5 → 8.4 ms
+#                   (results/nvidia-h200/kernels_v2).
 SWIGLU_BWD_MODES = ("fused", "materialized")
-SWIGLU_BWD_MODE = "fused"
+SWIGLU_BWD_MODE = "materialized"
 
 
 def swiglu_preact_grad(dh_MF: torch.Tensor, preact_M2F: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
