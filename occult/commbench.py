@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from occult.logs import ENV_LOG_JSON, progress, run_main
+
 DEFAULT_SIZES = tuple(2**p for p in range(16, 31, 2))        # 64 KiB … 1 GiB per rank
 DEFAULT_DEDUP_TOKENS = (1024, 4096, 16384, 65536)
 DEFAULT_ROWS_PER_EXPERT = (16, 64, 256, 1024, 4096, 16384)
@@ -193,14 +195,12 @@ def packed_row_bytes(hidden: int, elem_bytes: int, slots: int) -> int:
 
 
 def bench_alltoall(settings: BenchSettings, device: torch.device, machine: str) -> list[dict[str, Any]]:
-    from tqdm import tqdm
-
     from occult.baselines import get_shape
 
     world, rank = _world()
     rows = []
     total = len(settings.sizes) * len(settings.dtypes) + len(settings.dedup_tokens)
-    bar = tqdm(total=total, desc=f"all_to_all D={world}", unit="size", disable=rank != 0, file=sys.stderr)
+    bar = progress(total, desc=f"all_to_all D={world}", unit="size", disable=rank != 0)
     fixed = {"machine": machine, "D": world, "repeats": settings.repeats,
              "timer": "cuda_events" if device.type == "cuda" else "perf_counter"}
     for dtype_name in settings.dtypes:
@@ -210,6 +210,8 @@ def bench_alltoall(settings: BenchSettings, device: torch.device, machine: str) 
             per_peer = max(size // (elem * world), 1)
             row = alltoall_row([per_peer] * world, dtype, device, settings.repeats, settings.warmup)
             rows.append({**fixed, "pattern": "equal", "dtype": dtype_name, "tokens": None, **row})
+            bar.log(pattern="equal", dtype=dtype_name, bytes_per_rank=row["bytes_per_rank"],
+                    median_ms=row["median_ms"], algbw_gbps=row["algbw_gbps"])
             bar.update(1)
     shape = get_shape(settings.dedup_shape)
     for tokens in settings.dedup_tokens:
@@ -218,6 +220,8 @@ def bench_alltoall(settings: BenchSettings, device: torch.device, machine: str) 
         row = alltoall_row([n * row_bytes for n in per_device], torch.uint8, device, settings.repeats,
                            settings.warmup)
         rows.append({**fixed, "pattern": "dedup", "dtype": "uint8", "tokens": tokens, **row})
+        bar.log(pattern="dedup", dtype="uint8", bytes_per_rank=row["bytes_per_rank"], median_ms=row["median_ms"],
+                algbw_gbps=row["algbw_gbps"])
         bar.update(1)
     bar.close()
     return rows
@@ -239,15 +243,13 @@ def grouped_ffn(x_MD: torch.Tensor, offsets: torch.Tensor, w_gate_up_E2FD: torch
 
 
 def bench_gemm(settings: BenchSettings, device: torch.device, machine: str) -> list[dict[str, Any]]:
-    from tqdm import tqdm
-
     from occult.baselines import get_shape
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     impl = "grouped_mm" if hasattr(torch, "_grouped_mm") and device.type == "cuda" else "bmm"
     rows = []
     total = len(settings.gemm_shapes) * len(settings.rows_per_expert)
-    bar = tqdm(total=total, desc="grouped GEMM", unit="size", file=sys.stderr)
+    bar = progress(total, desc="grouped GEMM", unit="size")
     gen = torch.Generator(device=device).manual_seed(settings.seed)
     for shape_name in settings.gemm_shapes:
         shape = get_shape(shape_name)
@@ -276,6 +278,8 @@ def bench_gemm(settings: BenchSettings, device: torch.device, machine: str) -> l
                              "tflops": flops / (stats["median_ms"] * 1e-3) / 1e12, "repeats": settings.repeats,
                              "timer": "cuda_events" if device.type == "cuda" else "perf_counter"})
             del x, dy
+            bar.log(shape=shape_name, rows_per_expert=per_expert, fwd_ms=rows[-2]["median_ms"],
+                    fwd_bwd_ms=rows[-1]["median_ms"])
             bar.update(1)
         del w_gate_up, w_down
     bar.close()
@@ -340,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument("--log-json", metavar="PATH",
+                        help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     return parser
 
 
@@ -392,7 +398,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except ValueError as err:
-        sys.exit(f"occult.commbench: {err}")
+    sys.exit(run_main("commbench", main))

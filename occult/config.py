@@ -114,13 +114,10 @@ class SimulateConfig:
     inter_node_latency_us: float
     pool_tokens: int
     measured: tuple[str, ...]
-    calibration_devices: tuple[int, ...]
+    calibration: tuple[str, ...]        # measured files (or `FILE@tokens_per_gpu=N,...`) that calibrate
     alltoall_csv: str | None
     gemm_csv: str | None
-    occult_tflops_fwd: float
-    occult_tflops_train: float
-    naive_tflops_fwd: float
-    naive_tflops_train: float
+    gemm_min_rows_per_expert: int
     dense_tflops: float
     tolerance: float
 

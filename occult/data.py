@@ -38,10 +38,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from tqdm import tqdm
-
 from occult.config import DataConfig
 from occult.config import config_hash as hash_config
+from occult.logs import progress
 from occult.provenance import atomic_path, provenance, write_json
 
 ENDOFTEXT = "<|endoftext|>"
@@ -388,8 +387,7 @@ def cap_documents(documents: Iterable[Document], max_chars: int, label: str = ""
     line break (and kept if at least MIN_TRUNCATED_CHARS long)."""
     kept: list[Document] = []
     total = 0
-    with tqdm(total=max_chars, desc=f"read {label}", unit="char", unit_scale=True, file=sys.stderr,
-              leave=False) as bar:
+    with progress(max_chars, desc=f"read {label}", unit="char", unit_scale=True, leave=False) as bar:
         for doc in documents:
             room = max_chars - total
             if len(doc.text) <= room:
@@ -728,7 +726,7 @@ def build_data(cfg: DataConfig, seed: int, out_dir: Path, *, config_hash: str | 
     eval_counts = {}
     with atomic_path(out_dir / "eval") as eval_tmp:     # replaced whole: no stale task files
         eval_tmp.mkdir()
-        for task in tqdm(cfg.eval_tasks, desc="eval sets", file=sys.stderr, leave=False):
+        for task in progress(cfg.eval_tasks, desc="eval sets", unit="task", leave=False):
             examples, available = load_eval_examples(task, cfg.eval_examples, seed, eval_root)
             write_jsonl(eval_tmp / f"{task}.jsonl", examples)
             eval_counts[task] = {"examples": len(examples), "available": available,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from occult.config import Config, parse_variant
-from occult.logs import Progress, log_event, progress
+from occult.logs import ENV_LOG_JSON, Progress, log_event, progress, run_main
 from occult.provenance import provenance, seed_everything, write_json
 
 log = logging.getLogger(__name__)
@@ -153,8 +153,6 @@ def fast_lm(model, tokenizer, max_length: int, batch_tokens: int, token_cache: d
 def score_requests(model, encoded: list[tuple[list[int], list[int]]], max_length: int, batch_tokens: int,
                    disable_tqdm: bool = False) -> list[tuple[float, bool]]:
     """(sum log p(continuation | context), continuation is the greedy decode) per request."""
-    from tqdm import tqdm
-
     from occult.pretrain import autocast_for
 
     device = next(model.parameters()).device
@@ -171,7 +169,7 @@ def score_requests(model, encoded: list[tuple[list[int], list[int]]], max_length
         requests_of_row[row].append(request)
     results: list[tuple[float, bool]] = [(0.0, False)] * len(encoded)
     order = sorted(range(len(inputs_R)), key=lambda r: -len(inputs_R[r]))
-    bar = tqdm(total=len(encoded), desc="loglikelihood", disable=disable_tqdm, mininterval=2)
+    bar = progress(len(encoded), desc="loglikelihood", unit="request", disable=disable_tqdm)
     start = 0
     while start < len(order):
         width = len(inputs_R[order[start]])
@@ -247,50 +245,54 @@ def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path
     with tempfile.TemporaryDirectory(prefix="occult-tasks-") as tmp, request_cache(Path(tmp) / "requests"):
         task_manager = TaskManager(include_path=str(make_task_dir(data_dir / "eval", tasks, Path(tmp) / "tasks")),
                                    include_defaults=False)
-        for arm in todo:
-            if deadline is not None and time.monotonic() >= deadline:
-                missing.append(arm.name)
-                continue
-            arm_cfg = arm_config(cfg, arm)
-            seed_everything(arm_cfg.seed)
-            model_dir = base_model_dir if arm.name == "raw" else arms_root / arm.name
-            model, tokenizer = load_checkpoint(model_dir, device=device)
-            model.eval()
-            set_routing(model, routing_for_variant(arm_cfg, arm.variant, placements_dir, profile_dir))
-            start = time.perf_counter()
-            lm = fast_lm(model, tokenizer, arm_cfg.model.max_seq_len, batch_tokens, token_cache)
-            out = lm_eval.simple_evaluate(
-                model=lm, tasks=[TASK_NAMES[t] for t in tasks], task_manager=task_manager,
-                bootstrap_iters=100, limit=limit, cache_requests=True,
-                random_seed=arm_cfg.seed, numpy_random_seed=arm_cfg.seed, torch_random_seed=arm_cfg.seed,
-                log_samples=False,
-            )
-            set_routing(model, None)
-            scores = [{
-                "task": task,
-                "acc": out["results"][TASK_NAMES[task]].get("acc,none"),
-                "acc_stderr": out["results"][TASK_NAMES[task]].get("acc_stderr,none"),
-                "acc_norm": out["results"][TASK_NAMES[task]].get("acc_norm,none"),
-                "acc_norm_stderr": out["results"][TASK_NAMES[task]].get("acc_norm_stderr,none"),
-                "chance": CHANCE[task],
-                "n": out.get("n-samples", {}).get(TASK_NAMES[task], {}).get("effective"),
-            } for task in tasks]
-            summary = {
-                "variant": arm.variant,
-                "arm": arm.name,
-                "setting": {"devices": arm.devices, "gate_weights": arm.gate_weights, "train_modules": arm.train_modules},
-                "scores": scores,
-                "elapsed_s": time.perf_counter() - start,
-                "provenance": provenance(arm_cfg.hash(), arm_cfg.seed, stage="evaluate", variant=arm.variant,
-                                         arm=arm.name, scorer="occult.evaluate.fast_lm (batched HFLM)"),
-                "lm_eval": {"results": out["results"], "configs": out.get("configs"), "versions": out.get("versions"),
-                            "n-samples": out.get("n-samples"), "config": out.get("config")},
-            }
-            write_json(out_dir / f"{arm.name}.json", json.loads(json.dumps(summary, default=str)))
-            log.info("arm %s evaluated in %.1f s", arm.name, summary["elapsed_s"])
-            del model, lm
-            if device == "cuda":
-                torch.cuda.empty_cache()
+        with progress(todo, desc="arms", unit="arm") as bar:
+            for arm in bar:
+                if deadline is not None and time.monotonic() >= deadline:
+                    missing.append(arm.name)
+                    continue
+                bar.log(arm=arm.name)
+                arm_cfg = arm_config(cfg, arm)
+                seed_everything(arm_cfg.seed)
+                model_dir = base_model_dir if arm.name == "raw" else arms_root / arm.name
+                model, tokenizer = load_checkpoint(model_dir, device=device)
+                model.eval()
+                set_routing(model, routing_for_variant(arm_cfg, arm.variant, placements_dir, profile_dir))
+                start = time.perf_counter()
+                lm = fast_lm(model, tokenizer, arm_cfg.model.max_seq_len, batch_tokens, token_cache)
+                out = lm_eval.simple_evaluate(
+                    model=lm, tasks=[TASK_NAMES[t] for t in tasks], task_manager=task_manager,
+                    bootstrap_iters=100, limit=limit, cache_requests=True,
+                    random_seed=arm_cfg.seed, numpy_random_seed=arm_cfg.seed, torch_random_seed=arm_cfg.seed,
+                    log_samples=False,
+                )
+                set_routing(model, None)
+                scores = [{
+                    "task": task,
+                    "acc": out["results"][TASK_NAMES[task]].get("acc,none"),
+                    "acc_stderr": out["results"][TASK_NAMES[task]].get("acc_stderr,none"),
+                    "acc_norm": out["results"][TASK_NAMES[task]].get("acc_norm,none"),
+                    "acc_norm_stderr": out["results"][TASK_NAMES[task]].get("acc_norm_stderr,none"),
+                    "chance": CHANCE[task],
+                    "n": out.get("n-samples", {}).get(TASK_NAMES[task], {}).get("effective"),
+                } for task in tasks]
+                summary = {
+                    "variant": arm.variant,
+                    "arm": arm.name,
+                    "setting": {"devices": arm.devices, "gate_weights": arm.gate_weights,
+                                "train_modules": arm.train_modules},
+                    "scores": scores,
+                    "elapsed_s": time.perf_counter() - start,
+                    "provenance": provenance(arm_cfg.hash(), arm_cfg.seed, stage="evaluate", variant=arm.variant,
+                                             arm=arm.name, scorer="occult.evaluate.fast_lm (batched HFLM)"),
+                    "lm_eval": {"results": out["results"], "configs": out.get("configs"),
+                                "versions": out.get("versions"), "n-samples": out.get("n-samples"),
+                                "config": out.get("config")},
+                }
+                write_json(out_dir / f"{arm.name}.json", json.loads(json.dumps(summary, default=str)))
+                log.info("arm %s evaluated in %.1f s", arm.name, summary["elapsed_s"])
+                del model, lm
+                if device == "cuda":
+                    torch.cuda.empty_cache()
     return missing
 
 
@@ -301,12 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
+    log_json_help = f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point"
     if argv is None:
         argv = sys.argv[1:]
-    if argv[:1] == ["--summarise"]:
+    if "--summarise" in argv:
         summary_parser = argparse.ArgumentParser(prog="python -m occult.evaluate --summarise")
         summary_parser.add_argument("--summarise", required=True, metavar="RESULTS")
         summary_parser.add_argument("--figures", required=True)
+        summary_parser.add_argument("--log-json", metavar="PATH", help=log_json_help)
         summary_args = summary_parser.parse_args(argv)
         summarise_arms(Path(summary_args.summarise), Path(summary_args.figures))
         return 0
@@ -320,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None, help="start no arm after this many seconds")
     parser.add_argument("--limit", type=int, default=None, help="examples per task (smoke tests only)")
     parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS)
+    parser.add_argument("--log-json", metavar="PATH", help=log_json_help)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(args.config)
     missing = evaluate_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.arms), Path(args.data),
                             Path(args.profile), Path(args.placements), Path(args.out), args.time_limit,
@@ -457,4 +461,7 @@ def summarise_arms(results_dir: Path, figures_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    stage = "summarise_quality" if "--summarise" in sys.argv[1:] else "evaluate_arms"
+    raise SystemExit(run_main(stage, main, output_flags=("--out", "--figures")))

@@ -5,7 +5,9 @@ Instruction pairs are formatted as a prompt and a response; the loss covers resp
 `all` trains every parameter. Every variant sees the same data order, steps and seed.
 On a GPU the forward runs under bf16 autocast with fused AdamW; CPU runs stay fp32.
 `finetune_arms` (and `python -m occult.finetune`) runs all arms of the quality study in one
-process, resumably.
+process, resumably; run as a module it is a logged stage (`occult.logs.run_main`: `--log-json PATH`
+gives JSON-lines `start`, `progress` (arms; each arm's steps with `loss` and `lr`) and one `done` or
+`failed` record).
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from pathlib import Path
 
 import pandas as pd
 import torch
-from tqdm import tqdm
 
 from occult.config import Config, Variant, parse_variant
+from occult.logs import ENV_LOG_JSON, progress, run_main
 from occult.provenance import atomic_path, provenance, seed_everything, write_csv
 
 log = logging.getLogger(__name__)
@@ -97,26 +99,28 @@ def train_variant(model, tokenizer, cfg: Config, variant: Variant, ids: torch.Te
     start = time.perf_counter()
     pending: list[tuple[dict, torch.Tensor]] = []
     model.train()
-    for step in tqdm(range(ft.steps), desc=desc, mininterval=2):
-        batch = order[step * ft.batch_size : (step + 1) * ft.batch_size]
-        lr = ft.lr * 0.5 * (1 + math.cos(math.pi * step / ft.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
-        attention = (labels[batch] != -100) | (ids[batch] != pad)
-        with autocast_for(device):
-            out = model(input_ids=ids[batch].to(device), attention_mask=attention.long().to(device),
-                        labels=labels[batch].to(device))
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        row = {"step": step, "loss": float("nan"), "lr": lr, "elapsed_s": time.perf_counter() - start}
-        pending.append((row, out.loss.detach()))
-        if len(pending) >= LOG_FLUSH_STEPS or step + 1 == ft.steps:
-            for r, loss in pending:       # one device sync per LOG_FLUSH_STEPS steps
-                r["loss"] = float(loss)
-            pending.clear()
-        rows.append(row)
+    with progress(range(ft.steps), desc=desc, unit="step") as bar:
+        for step in bar:
+            batch = order[step * ft.batch_size : (step + 1) * ft.batch_size]
+            lr = ft.lr * 0.5 * (1 + math.cos(math.pi * step / ft.steps))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            attention = (labels[batch] != -100) | (ids[batch] != pad)
+            with autocast_for(device):
+                out = model(input_ids=ids[batch].to(device), attention_mask=attention.long().to(device),
+                            labels=labels[batch].to(device))
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            row = {"step": step, "loss": float("nan"), "lr": lr, "elapsed_s": time.perf_counter() - start}
+            pending.append((row, out.loss.detach()))
+            if len(pending) >= LOG_FLUSH_STEPS or step + 1 == ft.steps:
+                for r, loss in pending:       # one device sync per LOG_FLUSH_STEPS steps
+                    r["loss"] = float(loss)
+                bar.log(loss=pending[-1][0]["loss"], lr=pending[-1][0]["lr"])
+                pending.clear()
+            rows.append(row)
     model.eval()
     model.zero_grad(set_to_none=True)
     for p in model.parameters():
@@ -183,23 +187,25 @@ def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, prof
     encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     pairs = load_pairs(data_dir / "instructions.jsonl")
     missing = []
-    for arm in tqdm(todo, desc="arms", unit="arm"):
-        if deadline is not None and time.monotonic() >= deadline:
-            missing.append(arm.name)
-            continue
-        arm_cfg = arm_config(cfg, arm)
-        variant = parse_variant(arm.variant)
-        seq_len = arm_cfg.finetune.seq_len
-        if seq_len not in encoded:
-            encoded[seq_len] = encode_pairs(pairs, tokenizer, seq_len)
-        seed_everything(arm_cfg.seed)
-        model.load_state_dict(base_state)
-        start = time.perf_counter()
-        set_routing(model, routing_for_variant(arm_cfg, variant, placements_dir, profile_dir))
-        rows = train_variant(model, tokenizer, arm_cfg, variant, *encoded[seq_len], desc=f"finetune {arm.name}")
-        meta = variant_meta(arm_cfg, variant, arm=arm.name)
-        save_variant(model, tokenizer, meta, out_root / arm.name, logs_root / f"{arm.name}_log.csv", rows)
-        log.info("arm %s: %d steps in %.1f s", arm.name, len(rows), time.perf_counter() - start)
+    with progress(todo, desc="arms", unit="arm") as bar:
+        for arm in bar:
+            if deadline is not None and time.monotonic() >= deadline:
+                missing.append(arm.name)
+                continue
+            bar.log(arm=arm.name)
+            arm_cfg = arm_config(cfg, arm)
+            variant = parse_variant(arm.variant)
+            seq_len = arm_cfg.finetune.seq_len
+            if seq_len not in encoded:
+                encoded[seq_len] = encode_pairs(pairs, tokenizer, seq_len)
+            seed_everything(arm_cfg.seed)
+            model.load_state_dict(base_state)
+            start = time.perf_counter()
+            set_routing(model, routing_for_variant(arm_cfg, variant, placements_dir, profile_dir))
+            rows = train_variant(model, tokenizer, arm_cfg, variant, *encoded[seq_len], desc=f"finetune {arm.name}")
+            meta = variant_meta(arm_cfg, variant, arm=arm.name)
+            save_variant(model, tokenizer, meta, out_root / arm.name, logs_root / f"{arm.name}_log.csv", rows)
+            log.info("arm %s: %d steps in %.1f s", arm.name, len(rows), time.perf_counter() - start)
     return missing
 
 
@@ -207,7 +213,6 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m occult.finetune --config C --model M --data D --profile P --placements DIR
     --out ROOT --logs LOGDIR [--time-limit S]`: every arm of the quality study."""
     import argparse
-    import logging as logging_
 
     from occult.config import load_config
     from occult.variants import quality_arms
@@ -216,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--config", "--model", "--data", "--profile", "--placements", "--out", "--logs"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--time-limit", type=float, default=None, help="start no arm after this many seconds")
+    parser.add_argument("--log-json", metavar="PATH",
+                        help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
-    logging_.basicConfig(level=logging_.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = load_config(args.config)
     missing = finetune_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.data), Path(args.profile),
                             Path(args.placements), Path(args.out), Path(args.logs), args.time_limit)
@@ -229,4 +235,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("finetune_arms", main, output_flags=("--out", "--logs")))

@@ -48,9 +48,9 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from occult.config import Config, PretrainConfig
+from occult.logs import progress
 from occult.models import build_tiny_olmoe, count_parameters
 from occult.profiling import (
     TokenWindows,
@@ -93,8 +93,8 @@ def lr_at(step: int, train_cfg: PretrainConfig) -> float:
     if step < train_cfg.warmup_steps:
         return train_cfg.lr * (step + 1) / train_cfg.warmup_steps
     span = max(1, train_cfg.steps - train_cfg.warmup_steps)
-    progress = min(1.0, (step - train_cfg.warmup_steps) / span)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    decayed = min(1.0, (step - train_cfg.warmup_steps) / span)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * decayed))
     return train_cfg.lr * (FINAL_LR_FRACTION + (1.0 - FINAL_LR_FRACTION) * cosine)
 
 
@@ -336,19 +336,21 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
             aux_value = float(aux) if aux is not None else 0.0
             row["aux_loss"] = aux_value
             row["train_loss"] = float(loss) - train_cfg.router_aux_loss * aux_value
+        if pending:     # the newest known losses go to the bar and its JSON progress records
+            row = pending[-1][0]
+            bar.log(loss=row["train_loss"], aux_loss=row["aux_loss"], lr=row["lr"])
         pending.clear()
 
     model.train()
-    bar = tqdm(range(first_step, train_cfg.steps), desc="pretrain", unit="step", initial=first_step,
-               total=train_cfg.steps)
-    with stop.on_sigterm():
+    bar = progress(range(first_step, train_cfg.steps), desc="pretrain", unit="step", initial=first_step,
+                   total=train_cfg.steps)
+    with bar, stop.on_sigterm():        # the bar closes (a final progress record) however the loop ends
         for step in bar:
             if resume_dir is not None and (stop.due or time.monotonic() - last_save >= CHECKPOINT_EVERY_S):
                 flush()
                 save_resume_state(resume_dir, model, optimizer, sampler, rows, config_hash)
                 last_save = time.monotonic()
                 if stop.due:
-                    bar.close()
                     raise PretrainPaused(f"pretraining paused at step {step} of {train_cfg.steps}; "
                                          f"state in {resume_dir}; run the same command again to continue")
             lr = lr_at(step, train_cfg)
@@ -367,13 +369,12 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
                 flush()
                 nll, count = heldout_nll(model, heldout)
                 row["heldout_ppl"] = math.exp(nll / count)
-                bar.set_postfix(loss=f"{row['train_loss']:.3f}", ppl=f"{row['heldout_ppl']:.1f}")
+                bar.log(heldout_ppl=row["heldout_ppl"])
             elif len(pending) >= LOG_FLUSH_STEPS:
                 flush()
             row["elapsed_s"] = elapsed_before + time.perf_counter() - start
             rows.append(row)
-    flush()
-    bar.close()
+        flush()
     model.eval()
     return rows
 

@@ -6,21 +6,31 @@ expert) pairs and the bytes on the wire, in the runtime's exact format (`occult.
 
   * `dedup` (Occult, exact or N_d-pruned routing): one packed row per (token, device): the hidden
     vector (padded to 4 B) + 8 B per metadata slot (`slots` = most pairs any row carries), padded
-    to 64 B; one returned row (hidden vector) per sent row.
+    to 64 B; one returned row (hidden vector) per sent row. The static-shape plan (`-static`,
+    `-graph`) sends a fixed T rows to every device (`static_traffic`).
   * `per_expert` (the same runtime, one row per (token, expert)): slots = 1, same padding.
   * `naive` (`occult.baselines.naive`): one bare hidden vector per (token, expert), each way.
 
-(b) Time. Per layer and device: a fixed overhead + a per-row cost × rows handled + expert GEMM
-FLOPs / throughput (at the device's own pairs: the busiest device sets the pace) + the shared
-expert; plus the all-to-alls, timed from a bandwidth curve (interpolated in log-log between
-measured sizes; NVLink inside a node of `gpus_per_node`, a network of `inter_node_gbps` per GPU
-plus a latency between nodes; the two run concurrently). The fixed and per-row terms are fitted
-on a declared calibration subset of measured points (D ∈ `calibration_devices`, default D=1: no
-communication) and never on the points they are checked against. End-to-end = MoE layers × layer.
+(b) Time, as the runtime spends it. GPU time G = expert kernels (the busiest device's pairs at
+the measured kernel throughput for its rows per expert) + the other GPU work (plan, pack,
+combine: per handled row for Occult, per pair for the naive EP) + the all-to-alls (measured
+curve of bytes per rank) + the shared expert (dense FLOPs). An eager layer is also host-bound:
+the host spends `pre` before the layer's one blocking sync (the GPU idles: nothing big is queued
+yet) and `post` launching what follows while the GPU works, so
 
-(c) Validation: every measured Occult / naive point of the given sweep CSVs is predicted on the
-sweep's own routing (its seeded `SyntheticRouter`, its `greedy_occult` placement, its pruning),
-and the table says which points were calibration and which validation, with the relative error.
+    t = pre + max(post, G)        (eager: occult, -static, naive)      t = G   (`-graph`, `-compute`)
+
+Parameters are measured apart from the validation points: kernels from `-compute` rows (fwd
+curve, fwd+bwd scale), the grouped-GEMM curve (naive) and the all-to-all curve from commbench,
+Occult's other GPU work from `-graph` rows, and the host terms (pre, post) per (method family,
+pass, D) fitted on the declared calibration rows only (`simulate.calibration`). Every other
+measured point validates. End-to-end = MoE layers × layer.
+
+(c) Validation: every measured Occult / naive point of the given CSVs is predicted on its own
+routing (the sweep's seeded `SyntheticRouter` + `greedy_occult` placement + pruning; uniform
+routing; or, for a replayed trace the CPU does not hold, the row's recorded traffic facts) and
+the table gives role, error, the model's terms, and the point's replicates (the same
+computation measured again) so that noise the model cannot remove is visible.
 
 (d) Predictions for D = 4 … 64 (single node, then several) and the issue-8 table for D = 4, 8.
 
@@ -44,6 +54,7 @@ import numpy as np
 import torch
 
 from occult.baselines import MoEShape, get_shape
+from occult.logs import ENV_LOG_JSON, progress, run_main
 
 MIB = 2**20
 # One MoE layer per transformer block (DeepSeek-MoE-16B: 28 blocks, the first dense).
@@ -52,29 +63,38 @@ MOE_LAYERS: types.MappingProxyType[str, int] = types.MappingProxyType(
 # DESIGN.md, 2× H200 NV18, `all_to_all_single`: (whole buffer per rank, algbw GB/s = buffer / time).
 DESIGN_ALLTOALL_2GPU = ((1 * MIB, 25.0), (16 * MIB, 308.0), (64 * MIB, 475.0), (256 * MIB, 560.0),
                         (1024 * MIB, 660.0))
-OCCULT_REF_ROWS_PER_EXPERT = 4096   # profile_v2b's expert-only point: OLMoE, 2^14 tokens × k=8 on 32 experts
 META_BYTES_PER_PAIR = 8
 ROW_ALIGN_BYTES = 64
 MODES = ("dedup", "per_expert", "naive")
 PASSES = ("fwd", "train")
+FAMILIES = ("occult", "occult-pe", "occult-static", "occult-graph", "occult-compute", "naive")
+EAGER_FAMILIES = ("occult", "occult-pe", "occult-static", "naive")
+OCCULT_OPTIONS = ("pe", "trivial", "static", "graph", "compute")
+ROUTINGS = ("synthetic", "uniform", "trace")
+# Bytes the naive EP's memory-bound ops move per (token, expert) pair, in units of d (`occult.baselines.naive`):
+# D = 1: gather x[token] 4 + y.float() 6 + × gate 8 + index_add 12 = 30; D > 1 adds the regrouping
+# gathers x_RD[perm] and y[inverse] (4 + 4). The extra work is priced at the D = 1 rate.
+NAIVE_BYTES_D1, NAIVE_BYTES_EP = 30.0, 38.0
 MEASURED_COLUMNS = ("kind", "shape", "method", "D", "tokens_per_gpu", "median_ms", "status")
 ALLTOALL_COLUMNS = ("D", "pattern", "bytes_remote_per_rank", "median_ms")
 GEMM_COLUMNS = ("shape", "rows_per_expert", "pass", "tflops")      # pass: fwd | fwd+bwd
+COMPONENTS = ("kernels_ms", "other_gpu_ms", "comm_ms", "shared_ms", "gpu_ms", "host_pre_ms", "host_post_ms")
 VALIDATION_COLUMNS = (
-    "role", "kind", "shape", "method", "D", "tokens_per_gpu", "batch", "measured_ms", "predicted_ms",
-    "rel_err", "within_tolerance", "measured_ct", "trace_ct", "measured_bytes_sent", "trace_bytes_sent",
-    "fixed_ms", "row_ms", "compute_ms", "shared_ms", "comm_ms", "source",
+    "role", "kind", "shape", "method", "family", "routing", "D", "tokens_per_gpu", "batch", "measured_ms",
+    "p10_ms", "p90_ms", "predicted_ms", "rel_err", "within_tolerance", "bound", *COMPONENTS,
+    "replicates", "replicate_ratio", "reachable", "measured_ct", "trace_ct", "measured_bytes_sent",
+    "trace_bytes_sent", "measured_pairs_max", "trace_pairs_max", "traffic_source", "source",
 )
 PREDICTION_COLUMNS = (
     "shape", "method", "kind", "D", "nodes", "gpus_per_node", "tokens_per_gpu", "batch", "moe_layers",
     "mean_devices_per_token", "load_max_over_mean", "dispatch_bytes_per_rank", "return_bytes_per_rank",
-    "inter_node_bytes_per_rank", "fixed_ms", "row_ms", "compute_ms", "shared_ms", "comm_ms", "layer_ms",
-    "model_ms", "speedup_vs_naive", "status",
+    "inter_node_bytes_per_rank", *COMPONENTS, "layer_ms", "model_ms", "speedup_vs_naive", "status",
 )
 
 
 class SimulateError(ValueError):
     """A simulator input is missing or malformed; the message names the file or field."""
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,6 +203,38 @@ def traffic(ids_NK: np.ndarray | torch.Tensor, device_of_expert_E: np.ndarray | 
         mean_devices_per_token=float(hit_ND.sum(1).mean()) if num_tokens else float("nan"), slots=slots)
 
 
+def static_traffic(base: Traffic, hidden: int, elem_bytes: int = 2) -> Traffic:
+    """The static-shape plan's exchange (`ep_moe(static_capacity=T)`): every source sends a fixed
+    T rows (one per token, empty or not) to every device and gets T rows back; pairs unchanged."""
+    num_devices = base.num_devices
+    capacity = base.tokens_per_source
+    rows_SD = np.full((num_devices, num_devices), capacity, dtype=np.float64)
+    sent_row, back_row = wire_row_bytes("dedup", hidden, elem_bytes, base.slots)
+    return dataclasses.replace(base, rows_SD=rows_SD, dispatch_bytes_SD=rows_SD * sent_row,
+                               return_bytes_SD=rows_SD.T * back_row)
+
+
+def recorded_traffic(num_devices: int, tokens_per_gpu: float, mode: str, shape: MoEShape, bytes_sent: float,
+                     mean_devices_per_token: float, pairs_received_max: float) -> Traffic:
+    """A symmetric exchange rebuilt from a measured row's own accounting (for routing the CPU cannot
+    regenerate): `bytes_sent` per rank (remote rows out + their returns, `EPStats`), E[C_T] and
+    the busiest rank's pairs, which every device is given (the busiest sets the pace)."""
+    values = (tokens_per_gpu, bytes_sent, mean_devices_per_token, pairs_received_max)
+    if num_devices < 2 or not all(np.isfinite(v) and v >= 0 for v in values):
+        raise SimulateError("recorded traffic: need D ≥ 2 and finite bytes_sent, mean_devices_per_token, "
+                            "pairs_received_max")
+    slots = shape.top_k if mode == "dedup" else 1
+    sent_row, back_row = wire_row_bytes(mode, shape.hidden, 2, slots)
+    rows_per_source = tokens_per_gpu * (mean_devices_per_token if mode == "dedup" else shape.top_k)
+    remote = min(bytes_sent / (sent_row + back_row), rows_per_source)
+    rows_SD = np.full((num_devices, num_devices), remote / (num_devices - 1))
+    np.fill_diagonal(rows_SD, rows_per_source - remote)
+    pairs_SD = np.full((num_devices, num_devices), pairs_received_max / num_devices)
+    return Traffic(mode=mode, rows_SD=rows_SD, pairs_SD=pairs_SD, dispatch_bytes_SD=rows_SD * sent_row,
+                   return_bytes_SD=rows_SD.T * back_row, tokens_per_source=float(tokens_per_gpu),
+                   mean_devices_per_token=float(mean_devices_per_token), slots=slots)
+
+
 # ----------------------------------------------------------------------------------------------
 # (b) Time model
 
@@ -257,155 +309,273 @@ class LinkModel:
 
 
 @dataclass(frozen=True)
-class Throughput:
-    """Expert GEMM TFLOP/s of a method, by rows per expert (flat without a measured curve)."""
+class MethodSpec:
+    """What a measured or simulated method name means to the model (`occult.sweep`'s names)."""
 
-    level_tflops: float
-    curve: LogLogCurve | None = None
-    reference_rows: float | None = None   # curve is relative to its value here (None: absolute)
-
-    def tflops(self, rows_per_expert: float) -> float:
-        if self.curve is None:
-            return self.level_tflops
-        if self.reference_rows is None:
-            return self.curve(max(rows_per_expert, 1.0))
-        return self.level_tflops * self.curve(max(rows_per_expert, 1.0)) / self.curve(self.reference_rows)
+    name: str
+    family: str                 # one of FAMILIES: which host and GPU terms apply
+    mode: str                   # dispatch wire format, one of MODES
+    max_devices: int | None     # N_d of router-score pruning (None: exact routing)
+    static: bool                # static-shape plan: T rows to every device
+    contiguous: bool            # contiguous placement (naive, `-trivial`) instead of the sweep's greedy one
 
 
-@dataclass(frozen=True)
-class Overheads:
-    """Fitted per (method family, pass): fixed ms per layer call and µs per handled row."""
-
-    fixed_ms: float
-    per_row_us: float
-    points: int
-
-
-def family_of(method: str) -> str:
-    return "naive" if method == "naive" else "occult"
+def method_spec(name: str) -> MethodSpec:
+    """`naive`, or `occult` + any of `-nd<N>`, `-pe`, `-trivial`, `-static`, `-graph`, `-compute`."""
+    if name == "naive":
+        return MethodSpec(name, "naive", "naive", None, False, True)
+    parts = name.split("-")
+    if parts[0] != "occult":
+        raise SimulateError(f"method: {name!r} is not naive or occult[-nd<N>][-pe|-trivial|-static|-graph|-compute]")
+    max_devices, options = None, set()
+    for part in parts[1:]:
+        if part.startswith("nd") and part[2:].isdigit() and int(part[2:]) > 0:
+            max_devices = int(part[2:])
+        elif part in OCCULT_OPTIONS:
+            options.add(part)
+        else:
+            raise SimulateError(f"method: {name!r}: unknown option {part!r}")
+    static = bool(options & {"static", "graph"})
+    if "pe" in options and static:
+        raise SimulateError(f"method: {name!r}: per-expert rows have no static plan")
+    family = ("occult-compute" if "compute" in options else "occult-graph" if "graph" in options
+              else "occult-static" if "static" in options else "occult-pe" if "pe" in options else "occult")
+    return MethodSpec(name, family, "per_expert" if "pe" in options else "dedup", max_devices, static,
+                      "trivial" in options)
 
 
 def mode_of(method: str) -> tuple[str, int | None]:
-    """(dispatch mode, N_d) of a simulated method name."""
-    if method == "naive":
-        return "naive", None
-    if method == "per_expert":
-        return "per_expert", None
-    if method == "occult":
-        return "dedup", None
-    if method.startswith("occult-nd") and method[len("occult-nd"):].isdigit():
-        return "dedup", int(method[len("occult-nd"):])
-    raise SimulateError(f"method: {method!r} is not occult, occult-nd<N>, per_expert or naive")
+    """(dispatch mode, N_d) of a method name."""
+    spec = method_spec(method)
+    return spec.mode, spec.max_devices
+
+
+def pass_of(kind: str) -> str:
+    return "train" if kind == "train" else "fwd"
+
+
+@dataclass(frozen=True)
+class HostTerms:
+    """Host time of one eager layer call: `pre_ms` before its blocking sync, `post_ms` after it."""
+
+    pre_ms: float
+    post_ms: float
+    points: int
+    source: str                 # "fit on N points" or where the terms were borrowed from
+
+
+@dataclass(frozen=True)
+class OtherGpuTerms:
+    """Occult's GPU work besides kernels and NCCL (plan, pack, combine): fixed + per handled row;
+    fwd+bwd = `train_factor` × forward."""
+
+    fixed_ms: float
+    per_row_ns: float
+    train_factor: float | None      # None: no fwd+bwd graph row calibrated it
+    points: int
 
 
 @dataclass(frozen=True)
 class CostModel:
+    """Every measured parameter of the time model; host/other-GPU terms are filled by `calibrate`."""
+
     link: LinkModel
-    throughput: dict[tuple[str, str, str], Throughput]   # (family, pass, shape) -> throughput
+    kernel_tflops: LogLogCurve | None           # Occult kernels, fwd TFLOP/s vs rows per expert
+    kernel_train_scale: float | None            # Occult kernels, fwd+bwd time / fwd time (same pairs)
+    grouped_tflops: dict[tuple[str, str], LogLogCurve]   # (pass, shape) -> naive grouped GEMM TFLOP/s
     dense_tflops: float
-    overheads: dict[tuple[str, str], Overheads] = dataclasses.field(default_factory=dict)
+    other_gpu: OtherGpuTerms | None = None
+    naive_ns_per_pair: dict[str, float] = dataclasses.field(default_factory=dict)   # pass -> ns at D = 1
+    host: dict[tuple[str, str, int], HostTerms] = dataclasses.field(default_factory=dict)
+
+    def host_for(self, family: str, pass_: str, num_devices: int) -> HostTerms | None:
+        """The calibrated terms at this D, else at the largest calibrated D below it (documented
+        assumption for D > 2: the same collectives and one sync per call), else None."""
+        known = sorted(d for f, p, d in self.host if f == family and p == pass_ and d <= num_devices)
+        if not known:
+            return None
+        terms = self.host[(family, pass_, known[-1])]
+        if known[-1] == num_devices:
+            return terms
+        return dataclasses.replace(terms, source=f"D={known[-1]} terms ({terms.source})")
+
+    def missing(self, spec: MethodSpec, pass_: str, num_devices: int) -> str | None:
+        """None, or which measured parameter this method lacks."""
+        if spec.family == "naive":
+            if pass_ not in self.naive_ns_per_pair:
+                return f"uncalibrated: no naive {pass_} points in simulate.calibration"
+            if not self.grouped_tflops:
+                return "uncalibrated: simulate.gemm_csv (grouped-GEMM curve) is not set"
+        else:
+            if self.kernel_tflops is None or (pass_ == "train" and self.kernel_train_scale is None):
+                return f"uncalibrated: no occult-compute {pass_} rows in simulate.calibration"
+            if spec.family != "occult-compute" and (self.other_gpu is None or (
+                    pass_ == "train" and self.other_gpu.train_factor is None)):
+                return f"uncalibrated: no occult-graph {pass_} rows in simulate.calibration"
+        if spec.family in EAGER_FAMILIES and self.host_for(spec.family, pass_, num_devices) is None:
+            return f"uncalibrated: no {spec.family} {pass_} points at D ≤ {num_devices} in simulate.calibration"
+        return None
 
 
-def layer_components(traffic_: Traffic, shape: MoEShape, family: str, pass_: str, cost: CostModel,
-                     tokens_per_gpu: float) -> dict[str, float]:
-    """Per-layer time split into fixed, row, compute, shared and comm terms (ms).
-
-    The device terms (rows + GEMM) are evaluated per device and the busiest device counts; the
-    all-to-alls are collective (the slowest rank sets their time).
-    """
-    local_experts = shape.num_experts / traffic_.num_devices
-    throughput = cost.throughput[(family, pass_, shape.name)]
-    gemm_passes = 3.0 if pass_ == "train" else 1.0
-    flops_per_pair = 2.0 * 3.0 * shape.hidden * shape.ffn * gemm_passes
-    compute_D = np.array([
-        pairs * flops_per_pair / (throughput.tflops(pairs / local_experts) * 1e12) * 1e3
-        for pairs in traffic_.pairs_in_D])
-    overheads = cost.overheads.get((family, pass_), Overheads(0.0, 0.0, 0))
-    row_D = traffic_.row_work_D * overheads.per_row_us * 1e-3
-    busiest = int(np.argmax(compute_D + row_D))
-    shared_flops = 2.0 * 3.0 * shape.hidden * shape.shared_ffn * tokens_per_gpu * gemm_passes
-    shared_ms = shared_flops / (cost.dense_tflops * 1e12) * 1e3
-    link = cost.link
-    comm = link.latency_ms(traffic_.num_devices)                     # split sizes (counts)
-    comm += link.alltoall_ms(traffic_.dispatch_bytes_SD) + link.alltoall_ms(traffic_.return_bytes_SD)
-    if pass_ == "train":
-        # backward: row gradients out (transposed return) and back (transposed dispatch)
-        comm += link.alltoall_ms(traffic_.return_bytes_SD.T) + link.alltoall_ms(traffic_.dispatch_bytes_SD.T)
-        if traffic_.mode != "naive":                                  # gate gradients: fp32 per slot
-            comm += link.alltoall_ms(traffic_.rows_SD.T * 4.0 * traffic_.slots)
-    return {"fixed_ms": overheads.fixed_ms, "row_ms": float(row_D[busiest]),
-            "compute_ms": float(compute_D[busiest]), "shared_ms": shared_ms, "comm_ms": comm}
+def expert_flops_per_pair(shape: MoEShape) -> float:
+    """SwiGLU expert FLOPs of one (token, expert) pair, forward: 2·d·2F + 2·F·d."""
+    return 2.0 * 3.0 * shape.hidden * shape.ffn
 
 
-def total_ms(parts: dict[str, float]) -> float:
-    return parts["fixed_ms"] + parts["row_ms"] + parts["compute_ms"] + parts["shared_ms"] + parts["comm_ms"]
+def shared_expert_ms(shape: MoEShape, tokens_per_gpu: float, pass_: str, dense_tflops: float) -> float:
+    """The shared expert(s): a dense SwiGLU of width `shared_ffn` on every local token."""
+    flops = 2.0 * 3.0 * shape.hidden * shape.shared_ffn * tokens_per_gpu * (3.0 if pass_ == "train" else 1.0)
+    return flops / (dense_tflops * 1e12) * 1e3
 
 
-def fit_overheads(known_ms: np.ndarray, row_work: np.ndarray, measured_ms: np.ndarray) -> tuple[float, float]:
-    """(fixed ms, µs per row) ≥ 0 minimising the squared RELATIVE error of known + fixed + rate·rows."""
-    weights = 1.0 / measured_ms
-    target = (measured_ms - known_ms) * weights
-    design = np.stack([weights, row_work * 1e-3 * weights], axis=1)
-    (fixed, rate), *_ = np.linalg.lstsq(design, target, rcond=None)
-    if rate < 0:
-        fixed, rate = float(np.sum(target * weights) / np.sum(weights**2)), 0.0
-    if fixed < 0:
-        column = design[:, 1]
-        fixed, rate = 0.0, float(max(np.sum(target * column) / max(np.sum(column**2), 1e-30), 0.0))
-    return float(fixed), float(rate)
+def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: str, cost: CostModel,
+                   tokens_per_gpu: float) -> dict[str, float]:
+    """GPU time of one layer call split into kernels, other GPU work, all-to-alls and shared expert (ms).
+
+    Kernels and other work are per device and the busiest device counts; the all-to-alls are
+    collective (the slowest rank sets their time)."""
+    num_devices = traffic_.num_devices
+    local_experts = shape.num_experts / num_devices
+    train = pass_ == "train"
+    flops_D = traffic_.pairs_in_D * expert_flops_per_pair(shape)
+    rows_per_expert_D = traffic_.pairs_in_D / local_experts
+    if spec.family == "naive":
+        curve = cost.grouped_tflops.get((pass_, shape.name))
+        if curve is None:
+            raise SimulateError(f"simulate.gemm_csv: no grouped-GEMM {pass_} rows for shape {shape.name}")
+        kernels_D = np.array([f * (3.0 if train else 1.0) / (curve(max(r, 1.0)) * 1e12) * 1e3
+                              for f, r in zip(flops_D, rows_per_expert_D)])
+        bytes_factor = (NAIVE_BYTES_EP if num_devices > 1 else NAIVE_BYTES_D1) / NAIVE_BYTES_D1
+        pairs_handled_D = (traffic_.pairs_SD.sum(1) + traffic_.pairs_SD.sum(0)) / 2
+        other_D = pairs_handled_D * cost.naive_ns_per_pair.get(pass_, 0.0) * 1e-6 * bytes_factor
+    else:
+        if cost.kernel_tflops is None:
+            raise SimulateError("simulate.calibration: no occult-compute rows give the kernel throughput")
+        kernels_D = np.array([f / (cost.kernel_tflops(max(r, 1.0)) * 1e12) * 1e3
+                              for f, r in zip(flops_D, rows_per_expert_D)])
+        if train:
+            kernels_D = kernels_D * (cost.kernel_train_scale or float("nan"))
+        terms = cost.other_gpu or OtherGpuTerms(0.0, 0.0, 1.0, 0)
+        factor = (float("nan") if terms.train_factor is None else terms.train_factor) if train else 1.0
+        other_D = (terms.fixed_ms + traffic_.row_work_D * terms.per_row_ns * 1e-6) * factor
+        if spec.family == "occult-compute":
+            other_D = np.zeros_like(kernels_D)
+    busiest = int(np.argmax(kernels_D + other_D))
+    shared_ms = shared_expert_ms(shape, tokens_per_gpu, pass_, cost.dense_tflops)
+    comm = 0.0
+    if spec.family != "occult-compute":
+        link = cost.link
+        comm = 0.0 if spec.static else link.latency_ms(num_devices)        # split sizes (counts)
+        comm += link.alltoall_ms(traffic_.dispatch_bytes_SD) + link.alltoall_ms(traffic_.return_bytes_SD)
+        if train:
+            # backward: row gradients out (transposed return) and back (transposed dispatch)
+            comm += link.alltoall_ms(traffic_.return_bytes_SD.T) + link.alltoall_ms(traffic_.dispatch_bytes_SD.T)
+            if traffic_.mode != "naive":                                  # gate gradients: fp32 per slot
+                comm += link.alltoall_ms(traffic_.rows_SD.T * 4.0 * traffic_.slots)
+    parts = {"kernels_ms": float(kernels_D[busiest]), "other_gpu_ms": float(other_D[busiest]), "comm_ms": comm,
+             "shared_ms": shared_ms}
+    parts["gpu_ms"] = sum(parts.values())
+    return parts
+
+
+def layer_time(gpu_ms: float, spec: MethodSpec, pass_: str, num_devices: int, cost: CostModel) -> dict[str, float]:
+    """`t = pre + max(post, G)` for eager layers, `t = G` for graph replay and kernels alone."""
+    if spec.family in ("occult-graph", "occult-compute"):
+        return {"host_pre_ms": 0.0, "host_post_ms": 0.0, "layer_ms": gpu_ms}
+    host = cost.host_for(spec.family, pass_, num_devices)
+    if host is None:
+        return {"host_pre_ms": float("nan"), "host_post_ms": float("nan"), "layer_ms": float("nan")}
+    return {"host_pre_ms": host.pre_ms, "host_post_ms": host.post_ms,
+            "layer_ms": host.pre_ms + max(host.post_ms, gpu_ms)}
+
+
+def fit_host(gpu_ms: np.ndarray, measured_ms: np.ndarray) -> tuple[float, float, float]:
+    """(pre, post, mean squared relative error) of `pre + max(post, G)` ≥ 0 against `measured_ms`,
+    by grid search (coarse 20 µs, then 2 µs around the best). Ties go to the smallest terms."""
+    gpu_ms, measured_ms = np.asarray(gpu_ms, float), np.asarray(measured_ms, float)
+    top = float(measured_ms.max())
+
+    def search(pre_grid: np.ndarray, post_grid: np.ndarray) -> tuple[float, float, float]:
+        best = (0.0, 0.0, math.inf)
+        for pre in pre_grid:
+            pred_PN = pre + np.maximum(post_grid[:, None], gpu_ms[None, :])
+            loss_P = np.mean(((pred_PN - measured_ms) / measured_ms) ** 2, axis=1)
+            i = int(np.argmin(loss_P))
+            if loss_P[i] < best[2] - 1e-15:
+                best = (float(pre), float(post_grid[i]), float(loss_P[i]))
+        return best
+
+    pre, post, _ = search(np.arange(0.0, top + 0.02, 0.02), np.arange(0.0, top + 0.02, 0.02))
+    fine = lambda centre: np.clip(np.arange(centre - 0.03, centre + 0.0301, 0.002), 0.0, None)  # noqa: E731
+    return search(np.unique(fine(pre)), np.unique(fine(post)))
 
 
 # ----------------------------------------------------------------------------------------------
-# Traces: the sweep's synthetic routing
+# Traces: the sweep's routing
 
 
 class ShapeTraces:
-    """A pool of routed tokens of one shape, with the sweep's placement and pruning per D.
+    """A pool of routed tokens of one shape and routing (`synthetic`: the sweep's seeded
+    `SyntheticRouter`; `uniform`: i.i.d. Gaussian logits), with placements and pruning per D.
 
-    Memoises placements and pruned routings per (D, N_d) on the instance.
+    Memoises placements and pruned routings per (D, N_d, placement) on the instance.
     """
 
-    def __init__(self, shape: MoEShape, pool_tokens: int, seed: int) -> None:
+    def __init__(self, shape: MoEShape, pool_tokens: int, seed: int, routing: str = "synthetic") -> None:
         from occult.sweep import SyntheticRouter, derive_seed, make_inputs
 
-        self.shape, self.seed = shape, seed
-        self.router = SyntheticRouter.make(shape, seed)
-        inputs = make_inputs(shape, self.router, pool_tokens, derive_seed(seed, "simulate", shape.name),
-                             torch.device("cpu"), torch.bfloat16, [None], None, with_grad_output=False)
-        self.logits_NE = self.router.logits(inputs.x_TD)
-        self.ids_NK = inputs.routes[None][0]
+        if routing not in ("synthetic", "uniform"):
+            raise SimulateError(f"routing: {routing!r} cannot be regenerated on the CPU (synthetic, uniform)")
+        self.shape, self.seed, self.routing = shape, seed, routing
+        if routing == "uniform":
+            self.router = None
+            gen = torch.Generator().manual_seed(derive_seed(seed, "simulate-uniform", shape.name))
+            self.logits_NE = torch.randn(pool_tokens, shape.num_experts, generator=gen)
+            self.ids_NK = self.logits_NE.topk(shape.top_k, dim=-1).indices
+        else:
+            self.router = SyntheticRouter.make(shape, seed)
+            inputs = make_inputs(shape, self.router, pool_tokens, derive_seed(seed, "simulate", shape.name),
+                                 torch.device("cpu"), torch.bfloat16, [None], None, with_grad_output=False)
+            self.logits_NE = self.router.logits(inputs.x_TD)
+            self.ids_NK = inputs.routes[None][0]
         self._coact_EE: np.ndarray | None = None
-        self._placements: dict[int, torch.Tensor] = {}
-        self._routes: dict[tuple[int, int | None], torch.Tensor] = {}
+        self._placements: dict[tuple[int, bool], torch.Tensor] = {}
+        self._routes: dict[tuple[int, int, bool], torch.Tensor] = {}
 
     def support(self, method: str, num_devices: int) -> str | None:
         """None, or why `method` cannot run this shape on `num_devices`."""
         shape = self.shape
         if shape.num_experts % num_devices:
             return f"unsupported: {shape.num_experts} experts are not divisible by D={num_devices}"
-        _, nd = mode_of(method)
+        nd = method_spec(method).max_devices
         if nd is not None and nd * shape.num_experts // num_devices < shape.top_k:
             return f"unsupported: N_d*E/D = {nd}*{shape.num_experts}/{num_devices} < top_k {shape.top_k}"
         return None
 
     def placement(self, method: str, num_devices: int) -> torch.Tensor:
-        if method == "naive":
-            return torch.arange(self.shape.num_experts) // (self.shape.num_experts // num_devices)
-        if num_devices not in self._placements:
-            self._placements[num_devices] = sweep_placement(self.shape, self.router, num_devices, self.seed,
-                                                            coact_EE=self._coactivation())
-        return self._placements[num_devices]
+        """Contiguous for naive, `-trivial` and uniform routing (where placement does not matter);
+        else the sweep's `greedy_occult` placement."""
+        contiguous = method_spec(method).contiguous or self.routing == "uniform"
+        key = (num_devices, contiguous)
+        if key not in self._placements:
+            if contiguous:
+                self._placements[key] = torch.arange(self.shape.num_experts) // (self.shape.num_experts // num_devices)
+            else:
+                self._placements[key] = sweep_placement(self.shape, self.router, num_devices, self.seed,
+                                                        coact_EE=self._coactivation())
+        return self._placements[key]
 
     def ids(self, method: str, num_devices: int) -> torch.Tensor:
         from occult.sweep import prune_routing
 
-        _, nd = mode_of(method)
-        if nd is None:
+        spec = method_spec(method)
+        if spec.max_devices is None:
             return self.ids_NK
-        key = (num_devices, nd)
+        key = (num_devices, spec.max_devices, spec.contiguous)
         if key not in self._routes:
             placement = self.placement(method, num_devices)
-            self._routes[key] = prune_routing(self.logits_NE, self.shape.top_k, placement, nd, num_devices)[0]
+            self._routes[key] = prune_routing(self.logits_NE, self.shape.top_k, placement, spec.max_devices,
+                                              num_devices)[0]
         return self._routes[key]
 
     def _coactivation(self) -> np.ndarray:
@@ -417,17 +587,21 @@ class ShapeTraces:
                    max_chunks: int = 8) -> list[Traffic]:
         """Traffic of D devices × `tokens_per_gpu` tokens: disjoint chunks of the pool when it holds
         them (so small batches keep their sampling noise), else the whole pool scaled up."""
-        mode, _ = mode_of(method)
+        spec = method_spec(method)
         ids = self.ids(method, num_devices)
         placement = self.placement(method, num_devices)
         pool = ids.shape[0]
         chunk = num_devices * tokens_per_gpu
         if chunk <= pool:
             count = min(pool // chunk, max_chunks)
-            return [traffic(ids[i * chunk:(i + 1) * chunk], placement, num_devices, mode, self.shape.hidden,
-                            elem_bytes) for i in range(count)]
-        whole = traffic(ids, placement, num_devices, mode, self.shape.hidden, elem_bytes)
-        return [whole.scaled(chunk / pool)]
+            chunks = [traffic(ids[i * chunk:(i + 1) * chunk], placement, num_devices, spec.mode, self.shape.hidden,
+                              elem_bytes) for i in range(count)]
+        else:
+            whole = traffic(ids, placement, num_devices, spec.mode, self.shape.hidden, elem_bytes)
+            chunks = [whole.scaled(chunk / pool)]
+        if spec.static:
+            chunks = [static_traffic(t, self.shape.hidden, elem_bytes) for t in chunks]
+        return chunks
 
 
 def calibration_coactivation(shape: MoEShape, router: Any, seed: int) -> np.ndarray:
@@ -451,33 +625,41 @@ def sweep_placement(shape: MoEShape, router: Any, num_devices: int, seed: int,
     return torch.tensor(greedy_occult(coact_EE, num_devices).tolist(), dtype=torch.long)
 
 
-def simulate_point(traces: ShapeTraces, method: str, num_devices: int, tokens_per_gpu: int, pass_: str,
-                   cost: CostModel) -> dict[str, float]:
-    """Predicted components of one layer (mean over trace chunks) and traffic facts."""
-    chunks = traces.traffic_at(method, num_devices, tokens_per_gpu)
-    parts = [layer_components(t, traces.shape, family_of(method), pass_, cost, tokens_per_gpu) for t in chunks]
+def point_components(chunks: Sequence[Traffic], shape: MoEShape, method: str, pass_: str, cost: CostModel,
+                     tokens_per_gpu: float, link_gpus_per_node: int | None = None) -> dict[str, float]:
+    """Predicted terms of one layer (mean over trace chunks) and the traffic facts."""
+    spec = method_spec(method)
+    num_devices = chunks[0].num_devices
+    parts = [gpu_components(t, shape, spec, pass_, cost, tokens_per_gpu) for t in chunks]
     out = {key: float(np.mean([p[key] for p in parts])) for key in parts[0]}
-    out["layer_ms"] = total_ms(out)
+    out.update(layer_time(out["gpu_ms"], spec, pass_, num_devices, cost))
     pairs = np.stack([t.pairs_in_D for t in chunks])
     out["mean_devices_per_token"] = float(np.mean([t.mean_devices_per_token for t in chunks]))
     out["load_max_over_mean"] = float(np.mean(pairs.max(1) / np.maximum(pairs.mean(1), 1e-30)))
+    out["pairs_max"] = float(np.mean(pairs.max(1)))
     out["dispatch_bytes_per_rank"] = float(np.mean([t.remote(t.dispatch_bytes_SD).sum(1).mean() for t in chunks]))
     out["return_bytes_per_rank"] = float(np.mean([t.remote(t.return_bytes_SD).sum(1).mean() for t in chunks]))
-    node_D = np.arange(num_devices) // traces_link_nodes(cost, num_devices)
+    per_node = max(1, min(link_gpus_per_node or cost.link.gpus_per_node, num_devices))
+    node_D = np.arange(num_devices) // per_node
     other_node = node_D[:, None] != node_D[None, :]
     out["inter_node_bytes_per_rank"] = float(np.mean([
         ((t.dispatch_bytes_SD + t.return_bytes_SD) * other_node).sum(1).mean() for t in chunks]))
-    out["trace_bytes_sent"] = float(np.mean([t.sweep_bytes_sent(traces.shape.hidden, 2) for t in chunks]))
-    out["row_work"] = float(np.mean([t.row_work_D.max() for t in chunks]))
+    out["trace_bytes_sent"] = float(np.mean([t.sweep_bytes_sent(shape.hidden, 2) for t in chunks]))
     return out
 
 
-def traces_link_nodes(cost: CostModel, num_devices: int) -> int:
-    return max(1, min(cost.link.gpus_per_node, num_devices))
+def simulate_point(traces: ShapeTraces, method: str, num_devices: int, tokens_per_gpu: int, pass_: str,
+                   cost: CostModel) -> dict[str, float]:
+    """Predicted terms and traffic facts of one layer of `method` on the trace."""
+    chunks = traces.traffic_at(method, num_devices, tokens_per_gpu)
+    return point_components(chunks, traces.shape, method, pass_, cost, tokens_per_gpu)
 
 
 # ----------------------------------------------------------------------------------------------
 # Inputs: measured files
+
+
+HOST_MAX_MS = 12.0      # search bound of the host terms (eager layers measured so far: ≤ 9 ms of host)
 
 
 def resolve_input(path: str | Path, field: str) -> Path:
@@ -523,123 +705,378 @@ def alltoall_curves(path: str | Path | None) -> dict[int, LogLogCurve]:
     return curves
 
 
-def throughputs(settings: Any, shapes: Sequence[MoEShape]) -> dict[tuple[str, str, str], Throughput]:
-    """Expert-GEMM throughput per (family, pass, shape): flat levels from the config, shaped by
-    commbench's grouped-GEMM curve of the shape when `gemm_csv` is given."""
-    levels = {("occult", "fwd"): settings.occult_tflops_fwd, ("occult", "train"): settings.occult_tflops_train,
-              ("naive", "fwd"): settings.naive_tflops_fwd, ("naive", "train"): settings.naive_tflops_train}
-    frame = read_table(settings.gemm_csv, GEMM_COLUMNS, "simulate.gemm_csv") if settings.gemm_csv else None
-    out = {}
-    for shape in shapes:
-        for (family, pass_), level in levels.items():
-            curve = None
-            if frame is not None:
-                gemm_pass = "fwd+bwd" if pass_ == "train" else "fwd"
-                rows = frame[(frame["shape"] == shape.name) & (frame["pass"] == gemm_pass)]
-                if not rows.empty:
-                    by_rows = rows.groupby("rows_per_expert")["tflops"].median().sort_index()
-                    curve = LogLogCurve(by_rows.index.to_numpy(float), by_rows.to_numpy(float), extend="flat")
-            reference = OCCULT_REF_ROWS_PER_EXPERT if family == "occult" else None
-            out[(family, pass_, shape.name)] = Throughput(level, curve, reference)
-    return out
+def grouped_gemm_curves(path: str | Path | None, min_rows_per_expert: int) -> dict[tuple[str, str], LogLogCurve]:
+    """(pass, shape) -> grouped-GEMM TFLOP/s vs rows per expert from commbench's `gemm.csv`, from
+    `min_rows_per_expert` up (smaller calls of the benchmark are launch-bound) and flat outside."""
+    if path is None:
+        return {}
+    frame = read_table(path, GEMM_COLUMNS, "simulate.gemm_csv")
+    curves = {}
+    for (gemm_pass, shape), rows in frame.groupby(["pass", "shape"]):
+        kept = rows[rows["rows_per_expert"] >= min_rows_per_expert]
+        if kept.empty:
+            raise SimulateError(f"simulate.gemm_csv: {path} has no {shape} {gemm_pass} rows with ≥ "
+                                f"{min_rows_per_expert} rows per expert")
+        by_rows = kept.groupby("rows_per_expert")["tflops"].median().sort_index()
+        pass_ = "train" if gemm_pass == "fwd+bwd" else "fwd"
+        curves[(pass_, str(shape))] = LogLogCurve(by_rows.index.to_numpy(float), by_rows.to_numpy(float), extend="flat")
+    return curves
 
 
-def read_measured(paths: Sequence[str], methods: Sequence[str]):
-    """Measured sweep rows (ok status) of the simulated methods, with their source file."""
+@dataclass(frozen=True)
+class CalibrationEntry:
+    """`path` (every row of the file) or `path@tokens_per_gpu=512,1024` (only those sizes)."""
+
+    path: Path
+    tokens_per_gpu: frozenset[int] | None
+
+    @classmethod
+    def parse(cls, text: str) -> "CalibrationEntry":
+        path, _, selector = text.partition("@")
+        sizes = None
+        if selector:
+            key, _, values = selector.partition("=")
+            try:
+                sizes = frozenset(int(v) for v in values.split(","))
+            except ValueError:
+                sizes = None
+            if key != "tokens_per_gpu" or not sizes:
+                raise SimulateError(f"simulate.calibration: {text!r}: expected PATH or PATH@tokens_per_gpu=N[,N...]")
+        return cls(resolve_input(path, "simulate.calibration").resolve(), sizes)
+
+    def holds(self, source: Path, tokens_per_gpu: int) -> bool:
+        return source == self.path and (self.tokens_per_gpu is None or tokens_per_gpu in self.tokens_per_gpu)
+
+
+def is_simulated_method(name: str) -> bool:
+    return name == "naive" or name == "occult" or name.startswith("occult-")
+
+
+def read_measured(paths: Sequence[str], calibration: Sequence[str] = ()):
+    """Every ok Occult / naive row of the measured files, with its source, routing and role
+    (`calibration` if an entry of `calibration` holds it, else `validation`)."""
     import pandas as pd
 
+    entries = [CalibrationEntry.parse(text) for text in calibration]
+    resolved_paths = {resolve_input(p, "simulate.measured").resolve(): str(p) for p in paths}
+    for entry in entries:
+        if entry.path not in resolved_paths:
+            raise SimulateError(f"simulate.calibration: {entry.path} is not one of simulate.measured")
     frames = []
-    for path in paths:
+    for resolved, path in resolved_paths.items():
         frame = read_table(path, MEASURED_COLUMNS, "simulate.measured")
-        frame = frame[(frame["status"] == "ok") & frame["method"].isin(list(methods))].copy()
-        frame["source"] = str(path)
+        frame = frame[(frame["status"] == "ok") & frame["method"].map(is_simulated_method)].copy()
+        for name in frame["method"].unique():
+            try:
+                method_spec(name)
+            except SimulateError as err:
+                raise SimulateError(f"simulate.measured: {path}: {err}") from None
+        for column in ("batch", "p10_ms", "p90_ms", "bytes_sent", "mean_devices_per_token", "pairs_received_max",
+                       "shared_ffn"):
+            if column not in frame.columns:
+                frame[column] = np.nan
+        if "routing" not in frame.columns:
+            frame["routing"] = "synthetic"
+        frame["routing"] = frame["routing"].fillna("synthetic")
+        unknown = set(frame["routing"]) - set(ROUTINGS)
+        if unknown:
+            raise SimulateError(f"simulate.measured: {path}: unknown routing {sorted(unknown)}")
+        frame["source"] = path
+        frame["role"] = ["calibration" if any(e.holds(resolved, int(t)) for e in entries) else "validation"
+                         for t in frame["tokens_per_gpu"]]
         frames.append(frame)
+    columns = [*MEASURED_COLUMNS, "batch", "p10_ms", "p90_ms", "bytes_sent", "mean_devices_per_token",
+               "pairs_received_max", "shared_ffn", "routing", "source", "role"]
     if not frames:
-        return pd.DataFrame(columns=[*MEASURED_COLUMNS, "source"])
-    return pd.concat(frames, ignore_index=True)
-
-
-def pass_of(kind: str) -> str:
-    return "train" if kind == "train" else "fwd"
+        return pd.DataFrame(columns=columns)
+    return pd.concat(frames, ignore_index=True)[columns]
 
 
 # ----------------------------------------------------------------------------------------------
-# (c) Validation and (d) predictions
+# (c) Calibration and validation
 
 
-def build_cost_model(settings: Any, shapes: Sequence[MoEShape]) -> CostModel:
+def build_cost_model(settings: Any) -> CostModel:
+    """The measured curves (all-to-all, grouped GEMM, dense peak); kernels and host terms come from
+    `calibrate`."""
     link = LinkModel(
         curves=alltoall_curves(settings.alltoall_csv),
         gpus_per_node=settings.gpus_per_node,
         inter_node_bytes_per_ms=settings.inter_node_gbps / 8 * 1e9 / 1e3,
         inter_node_latency_ms=settings.inter_node_latency_us * 1e-3,
     )
-    return CostModel(link, throughputs(settings, shapes), settings.dense_tflops)
+    return CostModel(link, None, None, grouped_gemm_curves(settings.gemm_csv, settings.gemm_min_rows_per_expert),
+                     settings.dense_tflops)
+
+
+@dataclass
+class MeasuredPoint:
+    """One measured row with its traffic (trace chunks or rebuilt from its own accounting)."""
+
+    row: Any
+    spec: MethodSpec
+    shape: MoEShape
+    pass_: str
+    chunks: list[Traffic]
+    traffic_source: str
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.row.D)
+
+    @property
+    def measured_ms(self) -> float:
+        return float(self.row.median_ms)
+
+    def components(self, cost: CostModel) -> dict[str, float]:
+        out = point_components(self.chunks, self.shape, self.spec.name, self.pass_, cost, int(self.row.tokens_per_gpu))
+        out["row_work"] = float(np.mean([t.row_work_D.max() for t in self.chunks]))
+        return out
+
+
+def trace_key(shape: str, routing: str) -> str:
+    return shape if routing == "synthetic" else f"{shape}@{routing}"
+
+
+def measured_points(measured, traces: dict[str, ShapeTraces]) -> tuple[list[MeasuredPoint], list[tuple[Any, str]]]:
+    """(points with traffic, [(row, why) of rows the model cannot place: an unsupported D])."""
+    points, skipped = [], []
+    for row in progress(list(measured.itertuples(index=False)), desc="measured points", unit="point"):
+        spec = method_spec(row.method)
+        shape = get_shape(row.shape)
+        if np.isfinite(row.shared_ffn) and int(row.shared_ffn) != shape.shared_ffn:   # e.g. run with --no-shared
+            shape = dataclasses.replace(shape, shared_ffn=int(row.shared_ffn))
+        num_devices, tokens = int(row.D), int(row.tokens_per_gpu)
+        if row.routing == "trace":
+            if num_devices == 1:
+                chunks = [traffic(np.zeros((tokens, 0), dtype=np.int64), np.zeros(shape.num_experts, dtype=np.int64),
+                                  1, spec.mode, shape.hidden)]
+                chunks = [dataclasses.replace(chunks[0], pairs_SD=np.full((1, 1), float(tokens * shape.top_k)))]
+            else:
+                base = recorded_traffic(num_devices, tokens, spec.mode, shape, float(row.bytes_sent),
+                                        float(row.mean_devices_per_token), float(row.pairs_received_max))
+                chunks = [static_traffic(base, shape.hidden) if spec.static else base]
+            points.append(MeasuredPoint(row, spec, shape, pass_of(row.kind), chunks, "recorded"))
+            continue
+        shape_traces = traces[trace_key(row.shape, row.routing)]
+        why = shape_traces.support(row.method, num_devices)
+        if why:
+            skipped.append((row, why))
+            continue
+        chunks = shape_traces.traffic_at(row.method, num_devices, tokens)
+        points.append(MeasuredPoint(row, spec, shape, pass_of(row.kind), chunks, f"trace:{row.routing}"))
+    return points, skipped
+
+
+def kernel_rows(points: Sequence[MeasuredPoint], pass_: str,
+                dense_tflops: float) -> list[tuple[float, float, MeasuredPoint]]:
+    """(rows per expert, TFLOP/s, point) of the calibration `-compute` rows of a pass, from the
+    busiest rank's recorded pairs (the trace's when the row has none)."""
+    out = []
+    for p in points:
+        if p.row.role != "calibration" or p.spec.family != "occult-compute" or p.pass_ != pass_:
+            continue
+        pairs = float(p.row.pairs_received_max)
+        if not np.isfinite(pairs):
+            pairs = float(np.mean([t.pairs_in_D.max() for t in p.chunks]))
+        ms = p.measured_ms - shared_expert_ms(p.shape, float(p.row.tokens_per_gpu), pass_, dense_tflops)
+        flops = pairs * expert_flops_per_pair(p.shape)
+        out.append((pairs / (p.shape.num_experts / p.num_devices), flops / (ms * 1e-3) / 1e12, p))
+    return out
+
+
+def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
+    """Fill the kernel curve, Occult's other GPU work, the naive per-pair cost and the host terms
+    from the calibration points only (in that order: each step uses the ones before)."""
+    calib = [p for p in points if p.row.role == "calibration"]
+    # 1. kernels: forward TFLOP/s curve, fwd+bwd scale at the same pairs
+    fwd = kernel_rows(calib, "fwd", cost.dense_tflops)
+    if fwd:
+        by_x: dict[float, list[float]] = {}
+        for x, tflops, _ in fwd:
+            by_x.setdefault(round(x, 3), []).append(tflops)
+        xs = np.array(sorted(by_x))
+        cost = dataclasses.replace(cost, kernel_tflops=LogLogCurve(xs, np.array([np.median(by_x[x]) for x in xs]),
+                                                                   extend="flat"))
+        train = kernel_rows(calib, "train", cost.dense_tflops)
+        if train:
+            scales = []
+            for _, _, p in train:
+                tokens = int(p.row.tokens_per_gpu)
+                kernels_ms = p.measured_ms - shared_expert_ms(p.shape, tokens, "train", cost.dense_tflops)
+                scales.append(kernels_ms / gpu_components(p.chunks[0], p.shape, p.spec, "fwd", cost, tokens)["kernels_ms"])
+            cost = dataclasses.replace(cost, kernel_train_scale=float(np.median(scales)))
+    # 2. Occult's other GPU work, from graph replays (no host time in them)
+    if cost.kernel_tflops is not None:
+        graphs = [p for p in calib if p.spec.family == "occult-graph" and p.pass_ == "fwd"]
+        if graphs:
+            zero = dataclasses.replace(cost, other_gpu=OtherGpuTerms(0.0, 0.0, 1.0, 0))
+            residual = np.array([p.measured_ms - p.components(zero)["gpu_ms"] for p in graphs])
+            rows = np.array([p.components(zero)["row_work"] for p in graphs])
+            measured = np.array([p.measured_ms for p in graphs])
+            fixed, per_row_ms = fit_linear_nonnegative(residual, rows, measured)
+            terms = OtherGpuTerms(fixed, per_row_ms * 1e6, None, len(graphs))
+            trains = [p for p in calib if p.spec.family == "occult-graph" and p.pass_ == "train"]
+            if trains and cost.kernel_train_scale is not None:
+                zero_train = dataclasses.replace(cost, other_gpu=OtherGpuTerms(0.0, 0.0, 0.0, 0))
+                factors = [(p.measured_ms - p.components(zero_train)["gpu_ms"])
+                           / (fixed + p.components(zero_train)["row_work"] * per_row_ms) for p in trains]
+                terms = dataclasses.replace(terms, train_factor=max(float(np.median(factors)), 0.0))
+            cost = dataclasses.replace(cost, other_gpu=terms)
+    # 3. naive: per-pair memory-bound cost (shared by every D of a pass) and host terms per D
+    for pass_ in PASSES:
+        naive = [p for p in calib if p.spec.family == "naive" and p.pass_ == pass_]
+        if naive and cost.grouped_tflops:
+            cost = calibrate_naive(naive, cost, pass_)
+    # 4. Occult eager host terms per (family, pass, D)
+    host = dict(cost.host)
+    for family in ("occult", "occult-pe", "occult-static"):
+        for pass_ in PASSES:
+            group = [p for p in calib if p.spec.family == family and p.pass_ == pass_]
+            graph_spec = dataclasses.replace(group[0].spec, family="occult-graph") if group else None
+            if not group or cost.missing(graph_spec, pass_, group[0].num_devices):
+                continue
+            fits = {}
+            for num_devices in sorted({p.num_devices for p in group}):
+                chosen = [p for p in group if p.num_devices == num_devices]
+                gpu = np.array([p.components(cost)["gpu_ms"] for p in chosen])
+                fits[num_devices] = (*fit_host(gpu, np.array([p.measured_ms for p in chosen]))[:2], gpu, len(chosen))
+            host.update(host_terms(family, pass_, fits))
+    return dataclasses.replace(cost, host=host)
+
+
+def host_terms(family: str, pass_: str, fits: dict[int, tuple[float, float, np.ndarray, int]]
+               ) -> dict[tuple[str, str, int], HostTerms]:
+    """HostTerms per D from (pre, post, G of the points, count) fits. Where every calibration point
+    of a D is host-bound (post ≥ G), only pre + post is measured: the split is taken from the
+    nearest D whose points do fix it (post kept ≥ the largest G), and the source says so."""
+    identified = {d: f for d, f in fits.items() if f[2].size and f[1] < f[2].max() + 1e-9}
+    out = {}
+    for d, (pre, post, gpu, count) in fits.items():
+        source = f"fit on {count} points"
+        if d not in identified and identified:
+            donor = min(identified, key=lambda other: (abs(other - d), other))
+            d_pre, d_post = identified[donor][:2]
+            total = pre + post
+            share = d_pre / (d_pre + d_post) if d_pre + d_post > 0 else 0.0
+            post = max(total * (1 - share), float(gpu.max()) if gpu.size else 0.0)
+            pre = max(total - post, 0.0)
+            source += f" (host-bound only: pre/post split of D={donor})"
+        out[(family, pass_, d)] = HostTerms(pre, post, count, source)
+    return out
+
+
+def fit_linear_nonnegative(residual_ms: np.ndarray, rows: np.ndarray, measured_ms: np.ndarray) -> tuple[float, float]:
+    """(fixed ms, ms per row) ≥ 0 minimising the squared relative error of fixed + rate·rows."""
+    weights = 1.0 / measured_ms
+    design = np.stack([weights, rows * weights], axis=1)
+    target = residual_ms * weights
+    (fixed, rate), *_ = np.linalg.lstsq(design, target, rcond=None)
+    if rate < 0:
+        fixed, rate = float(np.sum(target * weights) / np.sum(weights**2)), 0.0
+    if fixed < 0:
+        column = design[:, 1]
+        fixed, rate = 0.0, float(max(np.sum(target * column) / max(np.sum(column**2), 1e-30), 0.0))
+    return float(max(fixed, 0.0)), float(rate)
+
+
+def calibrate_naive(points: Sequence[MeasuredPoint], cost: CostModel, pass_: str) -> CostModel:
+    """ns per pair of the naive EP's memory-bound ops and its host terms per D, jointly: a
+    log-spaced search over the rate, host terms fitted per D for each rate."""
+    by_d = {d: [p for p in points if p.num_devices == d] for d in sorted({p.num_devices for p in points})}
+    base = {d: np.array([p.components(dataclasses.replace(cost, naive_ns_per_pair={pass_: 0.0}))["gpu_ms"]
+                         for p in ps]) for d, ps in by_d.items()}
+    unit = {d: np.array([p.components(dataclasses.replace(cost, naive_ns_per_pair={pass_: 1.0}))["gpu_ms"]
+                         for p in ps]) - base[d] for d, ps in by_d.items()}
+    measured = {d: np.array([p.measured_ms for p in ps]) for d, ps in by_d.items()}
+
+    def loss(rate: float) -> tuple[float, dict[int, tuple[float, float, float]]]:
+        fits = {d: fit_host(base[d] + rate * unit[d], measured[d]) for d in by_d}
+        total = sum(fits[d][2] * len(by_d[d]) for d in by_d)
+        return total, fits
+
+    rates = np.geomspace(0.5, 500.0, 31)
+    scores = [loss(r)[0] for r in rates]
+    best = int(np.argmin(scores))
+    fine = np.geomspace(rates[max(best - 1, 0)], rates[min(best + 1, len(rates) - 1)], 21)
+    rate = float(min(fine, key=lambda r: loss(r)[0]))
+    _, fits = loss(rate)
+    host = dict(cost.host)
+    host.update(host_terms("naive", pass_, {d: (pre, post, base[d] + rate * unit[d], len(by_d[d]))
+                                            for d, (pre, post, _) in fits.items()}))
+    return dataclasses.replace(cost, naive_ns_per_pair={**cost.naive_ns_per_pair, pass_: rate}, host=host)
+
+
+def replicate_key(row: Any) -> tuple:
+    """Rows with the same key run the same computation: at D = 1 every eager Occult variant (pruning
+    and placement do nothing); N_d ≥ D is exact routing; graph replays of them likewise."""
+    spec = method_spec(row.method)
+    num_devices = int(row.D)
+    nd = spec.max_devices if spec.max_devices is not None and spec.max_devices < num_devices else None
+    contiguous = spec.contiguous and num_devices > 1
+    return (row.kind, row.shape, num_devices, int(row.tokens_per_gpu), row.routing, spec.family, spec.mode, nd,
+            contiguous)
+
+
+def validation_table(points: Sequence[MeasuredPoint], cost: CostModel, tolerance: float):
+    """One row per measured point: role, measured vs predicted, the model's terms, replicates."""
+    import pandas as pd
+
+    groups: dict[tuple, list[float]] = {}
+    for p in points:
+        groups.setdefault(replicate_key(p.row), []).append(p.measured_ms)
+    reachable_ratio = (1 + tolerance) / (1 - tolerance)
+    rows = []
+    for p in points:
+        row = p.row
+        missing = cost.missing(p.spec, p.pass_, p.num_devices)
+        parts = p.components(cost) if missing is None else {k: float("nan") for k in (*COMPONENTS, "layer_ms")}
+        predicted = parts["layer_ms"] if missing is None else float("nan")
+        err = (predicted - p.measured_ms) / p.measured_ms
+        replicates = groups[replicate_key(row)]
+        ratio = max(replicates) / min(replicates)
+        eager = p.spec.family in EAGER_FAMILIES
+        bound = ("host" if eager and parts["host_post_ms"] > parts["gpu_ms"] else "gpu") if missing is None else missing
+        rows.append({
+            "role": row.role, "kind": row.kind, "shape": row.shape, "method": row.method, "family": p.spec.family,
+            "routing": row.routing, "D": p.num_devices, "tokens_per_gpu": int(row.tokens_per_gpu),
+            "batch": row.batch, "measured_ms": p.measured_ms, "p10_ms": row.p10_ms, "p90_ms": row.p90_ms,
+            "predicted_ms": predicted, "rel_err": err, "within_tolerance": bool(abs(err) <= tolerance),
+            "bound": bound, **{k: parts.get(k, float("nan")) for k in COMPONENTS},
+            "replicates": len(replicates), "replicate_ratio": ratio, "reachable": bool(ratio <= reachable_ratio),
+            "measured_ct": row.mean_devices_per_token, "trace_ct": parts.get("mean_devices_per_token"),
+            "measured_bytes_sent": row.bytes_sent, "trace_bytes_sent": parts.get("trace_bytes_sent"),
+            "measured_pairs_max": row.pairs_received_max, "trace_pairs_max": parts.get("pairs_max"),
+            "traffic_source": p.traffic_source, "source": row.source,
+        })
+    return pd.DataFrame(rows, columns=list(VALIDATION_COLUMNS))
 
 
 def validate(settings: Any, traces: dict[str, ShapeTraces], cost: CostModel, measured) -> tuple[Any, CostModel]:
-    """Fit overheads on the calibration rows, predict every measured row; (table, fitted cost model).
+    """Calibrate on the calibration rows, predict every measured row; (table, calibrated cost model).
 
-    `traces` must hold every shape of `measured`."""
-    import pandas as pd
-    from tqdm import tqdm
+    `traces` must hold every (shape, routing) of `measured` that is regenerated on the CPU
+    (keys from `trace_key`)."""
+    points, skipped = measured_points(measured, traces)
+    for row, why in skipped:
+        print(f"simulate: not modelled: {row.kind} {row.shape} {row.method} D={row.D}: {why}", file=sys.stderr)
+    fitted = calibrate(points, cost)
+    return validation_table(points, fitted, settings.tolerance), fitted
 
-    points = []
-    for row in tqdm(list(measured.itertuples(index=False)), desc="measured points", unit="point", file=sys.stderr):
-        shape_traces = traces[row.shape]
-        why = shape_traces.support(row.method, int(row.D))
-        if why:
-            continue
-        parts = simulate_point(shape_traces, row.method, int(row.D), int(row.tokens_per_gpu), pass_of(row.kind), cost)
-        points.append((row, parts))
 
-    overheads = {}
-    for family in ("occult", "naive"):
-        for pass_ in PASSES:
-            chosen = [(r, p) for r, p in points if family_of(r.method) == family and pass_of(r.kind) == pass_
-                      and int(r.D) in settings.calibration_devices and r.kind != "decode"]
-            if not chosen:
-                continue
-            known = np.array([total_ms({**p, "fixed_ms": 0.0, "row_ms": 0.0}) for _, p in chosen])
-            work = np.array([p["row_work"] for _, p in chosen])
-            measured_ms = np.array([float(r.median_ms) for r, _ in chosen])
-            fixed, rate = fit_overheads(known, work, measured_ms)
-            overheads[(family, pass_)] = Overheads(fixed, rate, len(chosen))
-    fitted = dataclasses.replace(cost, overheads=overheads)
-
-    rows = []
-    for row, parts in points:
-        pass_ = pass_of(row.kind)
-        over = fitted.overheads.get((family_of(row.method), pass_))
-        calibration = int(row.D) in settings.calibration_devices and row.kind != "decode"
-        row_ms = parts["row_work"] * over.per_row_us * 1e-3 if over else float("nan")
-        final = {**parts, "fixed_ms": over.fixed_ms if over else float("nan"), "row_ms": row_ms}
-        predicted = total_ms(final)
-        err = (predicted - float(row.median_ms)) / float(row.median_ms)
-        rows.append({
-            "role": "calibration" if calibration else "validation", "kind": row.kind, "shape": row.shape,
-            "method": row.method, "D": int(row.D), "tokens_per_gpu": int(row.tokens_per_gpu),
-            "batch": getattr(row, "batch", None), "measured_ms": float(row.median_ms), "predicted_ms": predicted,
-            "rel_err": err, "within_tolerance": bool(abs(err) <= settings.tolerance),
-            "measured_ct": getattr(row, "mean_devices_per_token", None), "trace_ct": parts["mean_devices_per_token"],
-            "measured_bytes_sent": getattr(row, "bytes_sent", None), "trace_bytes_sent": parts["trace_bytes_sent"],
-            **{k: final[k] for k in ("fixed_ms", "row_ms", "compute_ms", "shared_ms", "comm_ms")},
-            "source": row.source,
-        })
-    return pd.DataFrame(rows, columns=list(VALIDATION_COLUMNS)), fitted
+# ----------------------------------------------------------------------------------------------
+# (d) Predictions
 
 
 def predict(traces: dict[str, ShapeTraces], methods: Sequence[str], devices: Sequence[int],
             points: Sequence[tuple[str, int, int | None]], cost: CostModel, desc: str = "predict"):
     """Rows of PREDICTION_COLUMNS for every shape × method × D × (kind, tokens/GPU, batch)."""
     import pandas as pd
-    from tqdm import tqdm
 
     rows = []
     total = len(traces) * len(methods) * len(devices) * len(points)
-    bar = tqdm(total=total, desc=desc, unit="point", file=sys.stderr)
+    bar = progress(total, desc=desc, unit="point")
     for shape_name, shape_traces in traces.items():
-        shape = shape_traces.shape
         for num_devices in devices:
             nodes = math.ceil(num_devices / cost.link.gpus_per_node)
             for kind, tokens, batch in points:
@@ -650,9 +1087,8 @@ def predict(traces: dict[str, ShapeTraces], methods: Sequence[str], devices: Seq
                             "gpus_per_node": min(cost.link.gpus_per_node, num_devices), "tokens_per_gpu": tokens,
                             "batch": batch, "moe_layers": MOE_LAYERS.get(shape_name, 1)}
                     bar.update(1)
-                    status = shape_traces.support(method, num_devices)
-                    if status is None and (family_of(method), pass_) not in cost.overheads:
-                        status = f"uncalibrated: no calibration points for {family_of(method)} {pass_}"
+                    status = shape_traces.support(method, num_devices) or cost.missing(method_spec(method), pass_,
+                                                                                       num_devices)
                     if status is not None:
                         rows.append({**base, "status": status})
                         continue
@@ -679,28 +1115,41 @@ def sweep_points(kinds: Sequence[str], seq_len: int = 512) -> list[tuple[str, in
     return points
 
 
+def cost_summary(cost: CostModel) -> dict[str, Any]:
+    """The calibrated parameters, for the sidecar."""
+    curve = cost.kernel_tflops
+    return {
+        "kernel_tflops_by_rows_per_expert": (dict(zip(curve.x.tolist(), np.round(curve.y, 2).tolist()))
+                                             if curve is not None else None),
+        "kernel_train_scale": cost.kernel_train_scale,
+        "other_gpu": dataclasses.asdict(cost.other_gpu) if cost.other_gpu else None,
+        "naive_ns_per_pair_D1": cost.naive_ns_per_pair,
+        "naive_bytes_factor_D_gt_1": NAIVE_BYTES_EP / NAIVE_BYTES_D1,
+        "host": {f"{f}/{p}/D={d}": dataclasses.asdict(h) for (f, p, d), h in sorted(cost.host.items())},
+    }
+
+
 def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | None,
                  config_hash: str | None = None) -> dict[str, Path]:
     """Validation table, scale predictions and the issue-8 table (+ figures); returns the paths."""
     from occult.provenance import provenance, seed_everything, write_csv
 
     seed_everything(seed)
-    shapes = [get_shape(name) for name in settings.shapes]
-    measured = read_measured(settings.measured, settings.methods)
-    measured_shapes = [get_shape(n) for n in sorted(set(measured["shape"]) - set(settings.shapes))]
-    cost = build_cost_model(settings, [*shapes, *measured_shapes])
-    traces = {shape.name: ShapeTraces(shape, settings.pool_tokens, seed) for shape in [*shapes, *measured_shapes]}
-    table, cost = validate(settings, traces, cost, measured)
-    traces = {name: traces[name] for name in settings.shapes}
+    measured = read_measured(settings.measured, settings.calibration)
+    keys = {(s, "synthetic") for s in settings.shapes}
+    keys |= {(s, r) for s, r in zip(measured["shape"], measured["routing"]) if r != "trace"}
+    traces = {trace_key(s, r): ShapeTraces(get_shape(s), settings.pool_tokens, seed, r) for s, r in sorted(keys)}
+    table, cost = validate(settings, traces, build_cost_model(settings), measured)
+    targets = {name: traces[name] for name in settings.shapes}
     prefill = [("prefill", tokens, None) for tokens in settings.tokens_per_gpu]
-    predictions = predict(traces, settings.methods, settings.devices, prefill, cost, "predict D")
-    issue8 = predict(traces, settings.methods, settings.issue8_devices,
+    predictions = predict(targets, settings.methods, settings.devices, prefill, cost, "predict D")
+    issue8 = predict(targets, settings.methods, settings.issue8_devices,
                      sweep_points(("prefill", "decode", "train")), cost, "predict issue 8")
 
     meta = provenance(config_hash, seed, stage="simulate", settings=dataclasses.asdict(settings),
-                      overheads={f"{f}/{p}": dataclasses.asdict(o) for (f, p), o in cost.overheads.items()},
+                      calibrated=cost_summary(cost),
                       alltoall_source=settings.alltoall_csv or "DESIGN.md 2-GPU table (built in)",
-                      gemm_source=settings.gemm_csv or "flat throughputs from the config")
+                      gemm_source=settings.gemm_csv or "none (naive EP uncalibrated)")
     paths = {"validation": out_dir / "validation.csv", "predictions": out_dir / "predictions.csv",
              "issue8": out_dir / "predictions_D4_D8.csv"}
     write_csv(paths["validation"], table, meta=meta)
@@ -760,11 +1209,12 @@ def plot_validation(table, tolerance: float, out: Path) -> None:
 
     from occult.provenance import atomic_path
 
-    fig, ax = plt.subplots(figsize=(5, 5))
-    markers = {"occult": "o", "occult-nd2": "s", "occult-nd1": "^", "naive": "x"}
-    for (role, method), rows in table.groupby(["role", "method"]):
-        ax.scatter(rows["measured_ms"], rows["predicted_ms"], marker=markers.get(method, "."), s=18,
-                   color="tab:blue" if role == "calibration" else "tab:red", label=f"{role}: {method}")
+    fig, ax = plt.subplots(figsize=(5.5, 5.5))
+    markers = {"occult": "o", "occult-static": "s", "occult-graph": "^", "occult-compute": "v", "naive": "x"}
+    table = table[np.isfinite(table["predicted_ms"])]
+    for (role, family), rows in table.groupby(["role", "family"]):
+        ax.scatter(rows["measured_ms"], rows["predicted_ms"], marker=markers.get(family, "."), s=14,
+                   color="tab:blue" if role == "calibration" else "tab:red", alpha=0.7, label=f"{role}: {family}")
     if not table.empty:
         low, high = table[["measured_ms", "predicted_ms"]].min().min(), table[["measured_ms", "predicted_ms"]].max().max()
         line = np.geomspace(low * 0.8, high * 1.25, 50)
@@ -783,13 +1233,19 @@ def plot_validation(table, tolerance: float, out: Path) -> None:
 
 
 def print_summary(table, cost: CostModel) -> None:
-    for (family, pass_), over in sorted(cost.overheads.items()):
-        print(f"calibrated {family:>6} {pass_:<5}: fixed {over.fixed_ms:.3f} ms, {over.per_row_us * 1e3:.2f} ns/row "
-              f"({over.points} points)")
-    for role, rows in table.groupby("role"):
+    """Calibrated terms, then points within tolerance per role and method family."""
+    for (family, pass_, num_devices), host in sorted(cost.host.items()):
+        print(f"host {family:>13} {pass_:<5} D={num_devices}: pre {host.pre_ms:.2f} ms, post {host.post_ms:.2f} ms "
+              f"({host.source})")
+    if cost.other_gpu is not None:
+        print(f"occult other GPU work: {cost.other_gpu.fixed_ms:.3f} ms + {cost.other_gpu.per_row_ns:.2f} ns/row, "
+              f"fwd+bwd x{cost.other_gpu.train_factor}")
+    for pass_, rate in sorted(cost.naive_ns_per_pair.items()):
+        print(f"naive memory-bound ops {pass_}: {rate:.1f} ns/pair at D=1")
+    for (role, family), rows in table.groupby(["role", "family"]):
         errors = rows["rel_err"].abs()
-        print(f"{role}: {len(rows)} points, {int(rows['within_tolerance'].sum())} within tolerance, "
-              f"median |err| {errors.median():.1%}, max {errors.max():.1%}")
+        print(f"{role:>11} {family:>14}: {len(rows):3d} points, {int(rows['within_tolerance'].sum()):3d} within "
+              f"tolerance, median |err| {errors.median():.1%}, max {errors.max():.1%}")
     sys.stdout.flush()
 
 
@@ -798,23 +1254,23 @@ def print_summary(table, cost: CostModel) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Bad inputs raise `ConfigError` / `SimulateError` (ValueErrors naming their field or file);
+    run as a module (`run_main`) they become one error line and a `failed` JSON record, exit 1."""
     from occult.config import ConfigError, load_config
 
     parser = argparse.ArgumentParser(prog="python -m occult.simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True, type=Path, help="directory of the three CSVs")
     parser.add_argument("--figures", type=Path, default=None)
+    parser.add_argument("--log-json", metavar="PATH",
+                        help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config)
-        if cfg.simulate is None:
-            raise ConfigError("simulate: the configuration has no simulate section")
-        run_simulate(cfg.simulate, cfg.seed, args.out, args.figures, cfg.hash())
-    except (ConfigError, SimulateError) as err:
-        print(f"occult.simulate: {err}", file=sys.stderr)
-        return 1
+    cfg = load_config(args.config)
+    if cfg.simulate is None:
+        raise ConfigError("simulate: the configuration has no simulate section")
+    run_simulate(cfg.simulate, cfg.seed, args.out, args.figures, cfg.hash())
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("simulate", main, output_flags=("--out", "--figures")))

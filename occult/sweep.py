@@ -718,9 +718,8 @@ def run_sweep(
 
 
 def _sweep(settings: SweepSettings) -> list[dict[str, Any]]:
-    from tqdm import tqdm
-
     from occult.config import config_hash
+    from occult.logs import progress
     from occult.provenance import git_commit, provenance, seed_everything
 
     world, rank = world_and_rank(None)
@@ -761,7 +760,7 @@ def _sweep(settings: SweepSettings) -> list[dict[str, Any]]:
             write_csv(settings.out_csv, pd.DataFrame(rows, columns=list(COLUMNS)), meta=meta)
 
     total = len(settings.shapes) * len(settings.methods) * len(settings.sizes)
-    bar = tqdm(total=total, desc=f"sweep {settings.kind} D={world}", unit="point", disable=rank != 0, file=sys.stderr)
+    bar = progress(total, desc=f"sweep {settings.kind} D={world}", unit="point", disable=rank != 0, every_s=0)
     for shape_name in settings.shapes:
         shape = get_shape(shape_name)
         _sweep_shape(settings, shape, device, dtype, backend, fixed, emit, bar)
@@ -830,6 +829,8 @@ def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device,
             else:
                 row["status"] = status
             emit(row)
+            bar.log(shape=shape.name, method=name, size=size, status=row.get("status"),
+                    median_ms=row.get("median_ms"))
             bar.update(1)
         method.teardown()
         if device.type == "cuda":
@@ -948,6 +949,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--routing", choices=ROUTINGS, default="synthetic",
                         help="synthetic low-rank router, uniform, or a measured trace (--trace)")
     parser.add_argument("--trace", default="", help="routing_*.npz of occult.profiling (routing=trace)")
+    parser.add_argument("--log-json", metavar="PATH",
+                        help="append JSON-lines logs here (default: $OCCULT_LOG_JSON); read by the entry point")
     return parser
 
 
@@ -1016,7 +1019,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except SweepError as err:
-        sys.exit(f"occult.sweep: {err}")
+    from occult.logs import run_main
+
+    sys.exit(run_main("sweep", main))

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as dt
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -20,14 +22,16 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
+import pandas as pd
 import pytest
 import yaml
 
 from occult import logs
 from occult.cli import build_parser, main
 from occult.logs import log_event, offending_file, progress, run_main, setup_logging
+from test_models import tiny_model_cfg, write_standin_data
 from test_placement import write_profile
-from test_profiles import SNAKEMAKE, directive, rule_blocks
+from test_profiles import SNAKEMAKE, directive, rule_blocks, snakemake
 
 REPO = Path(__file__).resolve().parent.parent
 OCCULT = str(Path(sys.executable).parent / "occult")
@@ -325,23 +329,86 @@ def test_sigterm_is_recorded_as_a_failure(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# the training stages
+
+
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory) -> dict[str, Path]:
+    """`occult pretrain` of a micro OLMoE (10 steps) on stand-in data, with its JSON log."""
+    root = tmp_path_factory.mktemp("micro")
+    data = write_standin_data(root / "data")
+    words = ("alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta")
+    (data / "instructions.jsonl").write_text("".join(
+        json.dumps({"instruction": f"repeat {w}", "response": f"{w} {w} {w}"}) + "\n" for w in words))
+    paths = {"data": data, "config": write_config(
+        root, model=dataclasses.asdict(tiny_model_cfg()),
+        pretrain={"steps": 10, "batch_size": 4, "seq_len": 32, "warmup_steps": 2},
+        finetune={"steps": 3, "batch_size": 4, "seq_len": 32})}
+    paths.update(model=root / "model", csv=root / "pretrain_log.csv", json=root / "logs" / "pretrain.jsonl")
+    assert main(["pretrain", "--config", str(paths["config"]), "--data", str(data), "--out", str(paths["model"]),
+                 "--log", str(paths["csv"]), "--structure", str(root / "structure.json"),
+                 "--log-json", str(paths["json"])]) == 0
+    return paths
+
+
+def test_pretraining_writes_progress_records_with_the_loss(micro_model):
+    recs = records(micro_model["json"])
+    assert recs[0]["event"] == "start" and recs[-1]["event"] == "done"
+    bars = [r for r in recs if r["event"] == "progress" and r["desc"] == "pretrain"]
+    final = bars[-1]
+    assert final["final"] and final["stage"] == "pretrain" and final["step"] == final["total"] == 10
+    assert final["unit"] == "step" and final["rate"] > 0
+    row = pd.read_csv(micro_model["csv"]).iloc[-1]
+    assert final["loss"] == pytest.approx(row["train_loss"], rel=1e-4) and math.isfinite(final["loss"])
+    assert final["heldout_ppl"] == pytest.approx(row["heldout_ppl"], rel=1e-4)
+    assert final["lr"] == pytest.approx(row["lr"]) and final["aux_loss"] == pytest.approx(row["aux_loss"])
+
+
+def test_failing_finetune_arm_writes_a_failed_record(micro_model, tmp_path):
+    """The arms run as a module: `sft-moe` trains and is saved, then the first pruned arm finds no
+    placement; the run exits 1 with a `failed` record naming the placement file."""
+    log = tmp_path / "finetune.jsonl"
+    out = subprocess.run(
+        [sys.executable, "-m", "occult.finetune", "--config", str(micro_model["config"]),
+         "--model", str(micro_model["model"]), "--data", str(micro_model["data"]),
+         "--profile", str(tmp_path / "profile"), "--placements", str(tmp_path / "no_placements"),
+         "--out", str(tmp_path / "arms"), "--logs", str(tmp_path / "arm_logs"), "--log-json", str(log)],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 1, out.stderr[-2000:]
+    recs = records(log)
+    assert recs[0]["event"] == "start" and recs[-1]["event"] == "failed"
+    failed = recs[-1]
+    assert failed["stage"] == "finetune_arms" and failed["exit_code"] == 1 and failed["level"] == "ERROR"
+    assert failed["file"] is not None and failed["file"].startswith(str(tmp_path / "no_placements"))
+    assert failed["where"]["file"] in ("occult/placement.py", "occult/variants.py")
+    assert out.stderr.rstrip().splitlines()[-1] == failed["message"]
+    assert failed["message"].startswith("occult.finetune_arms: error: ")
+
+    assert (tmp_path / "arms" / "sft-moe").is_dir() and not (tmp_path / "arms" / "prune1-router-D4-keep-moe").exists()
+    steps = [r for r in recs if r["event"] == "progress" and r["desc"] == "finetune sft-moe"]
+    assert steps[-1]["final"] and steps[-1]["step"] == steps[-1]["total"] == 3
+    sft_log = pd.read_csv(tmp_path / "arm_logs" / "sft-moe_log.csv")
+    assert steps[-1]["loss"] == pytest.approx(sft_log["loss"].iloc[-1], rel=1e-4)
+    assert steps[-1]["lr"] == pytest.approx(sft_log["lr"].iloc[-1])
+    (arms,) = [r for r in recs if r["event"] == "progress" and r["desc"] == "arms"]
+    assert arms["final"] and arms["step"] == 1 and arms["arm"] == "prune1-router-D4-keep-moe"
+    assert recs.index(arms) == len(recs) - 2, "the arms bar closes before the failure is recorded"
+
+
+# ---------------------------------------------------------------------------------------------
 # Snakemake rules
-
-
-# Rules of files other helpers are still writing; the lead adds their JSON log (see docs/deploy.md, Logs).
-PENDING_RULES = {"simulate_scale"}
 
 
 def occult_rules() -> dict[str, str]:
     return {name: block for name, block in rule_blocks().items()
-            if re.search(r"\boccult [a-z-]+ --config|-m occult\.", directive(block, "shell"))
-            and name not in PENDING_RULES}
+            if re.search(r"\boccult [a-z-]+ --config|-m occult\.", directive(block, "shell"))}
 
 
 def test_rules_that_call_occult_declare_and_pass_a_json_log():
     rules = occult_rules()
     assert {"build_data", "pretrain_model", "profile_coactivation", "place_experts", "study_placement",
-            "finetune_variant", "eval_variant", "bench_layer", "make_report", "run_gpu_sweep"} <= set(rules)
+            "finetune_variant", "eval_variant", "bench_layer", "make_report", "run_gpu_sweep",
+            "simulate_scale"} <= set(rules)
     for name, block in rules.items():
         log = directive(block, "log")
         assert re.search(rf'\bjson=f?"logs/{name}/[^"]+\.jsonl"', log), f"rule {name}: no json= log under logs/{name}/"
@@ -355,8 +422,36 @@ def test_dry_run_passes_json_logs_to_every_occult_command():
     out = subprocess.run([SNAKEMAKE, "-n", "-p", "--forceall", "--cores", "1"], cwd=REPO, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    commands = [line for line in out.stdout.splitlines() if re.search(r"\boccult [a-z-]+ --config|-m occult\.", line)
-                and not any(f"logs/{rule}/" in line for rule in PENDING_RULES)]
+    commands = [line for line in out.stdout.splitlines() if re.search(r"\boccult [a-z-]+ --config|-m occult\.", line)]
     assert len(commands) >= 8
     for command in commands:
         assert re.search(r"(--log-json |OCCULT_LOG_JSON=)logs/\w+/\S+\.jsonl", command), command
+
+
+def test_plot_quality_summarises_a_committed_quality_run_with_a_json_log(tmp_path):
+    """Dormant until a results/<machine>/quality_<v>/evaluate/ exists; then `rule all` asks for its
+    table and figure, made by `python -m occult.evaluate --summarise` as a logged stage."""
+    run_dir = tmp_path / "results" / "box" / "quality_v9"
+    (run_dir / "evaluate").mkdir(parents=True)
+    arms = (("raw", "raw", 0.5), ("sft-moe", "sft", 0.7), ("prune2-sim-D8-keep-moe", "prune2-sim", 0.68))
+    for arm, variant, acc in arms:
+        scores = [{"task": task, "acc": acc, "acc_stderr": 0.01, "chance": 0.5} for task in ("copa", "piqa")]
+        (run_dir / "evaluate" / f"{arm}.json").write_text(json.dumps(
+            {"variant": variant, "arm": arm, "scores": scores,
+             "setting": {"devices": 8, "gate_weights": "keep", "train_modules": "moe"}}))
+    table, figure = run_dir / "tables" / "accuracy.csv", tmp_path / "figures" / "box" / "quality_v9" / "accuracy.png"
+    dry = snakemake(tmp_path, "-n", "--cores", "1")
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    assert re.search(r"plot_quality\s+1\b", dry.stdout), "rule all must ask for the committed run's summary"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    out = subprocess.run([SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "--cores", "1",
+                          str(table.relative_to(tmp_path)), str(figure.relative_to(tmp_path)),
+                          "--configfile", str(REPO / "config" / "config.yaml")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert list(pd.read_csv(table)["arm"]) == ["raw", "sft-moe", "prune2-sim-D8-keep-moe", "chance"]
+    assert figure.stat().st_size > 1000 and (run_dir / "tables" / "verdicts.json").is_file()
+    recs = records(tmp_path / "logs" / "plot_quality" / "box_v9.jsonl")
+    assert recs[0]["event"] == "start" and recs[-1]["event"] == "done"
+    assert recs[-1]["stage"] == "summarise_quality"
+    assert recs[-1]["outputs"] == [str(figure.parent.relative_to(tmp_path))] and not recs[-1]["missing_outputs"]

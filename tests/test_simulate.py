@@ -1,12 +1,12 @@
-"""The scale simulator: wire-format byte counts by hand, the bandwidth curve, monotonicity, the
-validation table, the sweep's placement reproduced, and bad inputs named."""
+"""The scale simulator: wire-format byte counts by hand, the bandwidth curve, method names, the
+host/GPU time terms and their fits, monotonicity, the validation table (roles, replicates), the
+sweep's placement reproduced, and bad inputs named."""
 
 import dataclasses
 
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 
 from occult.baselines import get_shape
 from occult.config import SimulateConfig
@@ -14,17 +14,24 @@ from occult.simulate import (
     PREDICTION_COLUMNS,
     VALIDATION_COLUMNS,
     CostModel,
+    HostTerms,
     LinkModel,
     LogLogCurve,
+    OtherGpuTerms,
     ShapeTraces,
     SimulateError,
-    Throughput,
     alltoall_curves,
     build_cost_model,
     design_alltoall_curve,
+    fit_host,
+    host_terms,
+    layer_time,
+    method_spec,
     read_measured,
+    recorded_traffic,
     run_simulate,
     simulate_point,
+    static_traffic,
     sweep_placement,
     traffic,
     validate,
@@ -39,11 +46,19 @@ HIDDEN = 64                     # bf16: 128-byte vectors
 
 def settings(**changes) -> SimulateConfig:
     base = SimulateConfig(
-        shapes=("tiny",), methods=("occult", "occult-nd1", "naive"), devices=(2, 4), tokens_per_gpu=(64, 256),
-        issue8_devices=(2,), gpus_per_node=2, inter_node_gbps=400, inter_node_latency_us=15, pool_tokens=512,
-        measured=(), calibration_devices=(1,), alltoall_csv=None, gemm_csv=None, occult_tflops_fwd=450,
-        occult_tflops_train=262, naive_tflops_fwd=610, naive_tflops_train=285, dense_tflops=760, tolerance=0.15)
+        shapes=("tiny",), methods=("occult", "occult-nd1", "occult-graph", "naive"), devices=(2, 4),
+        tokens_per_gpu=(64, 256), issue8_devices=(2,), gpus_per_node=2, inter_node_gbps=400, inter_node_latency_us=15,
+        pool_tokens=512, measured=(), calibration=(), alltoall_csv=None, gemm_csv=None, gemm_min_rows_per_expert=1,
+        dense_tflops=760, tolerance=0.15)
     return dataclasses.replace(base, **changes)
+
+
+def gemm_csv(path) -> str:
+    """A grouped-GEMM curve for the tiny shape (commbench columns)."""
+    rows = [{"shape": "tiny", "rows_per_expert": r, "pass": p, "tflops": t * (1 if p == "fwd" else 0.8)}
+            for r, t in ((4, 1.0), (64, 10.0), (1024, 100.0)) for p in ("fwd", "fwd+bwd")]
+    pd.DataFrame(rows).to_csv(path, index=False)
+    return str(path)
 
 
 def test_wire_row_bytes_match_the_runtime_format():
@@ -121,26 +136,90 @@ def test_link_model_adds_the_network_between_nodes():
     assert link.alltoall_ms(np.zeros((1, 1))) == 0.0
 
 
-def tiny_cost(overheads=None) -> CostModel:
-    shape = get_shape("tiny")
-    cost = build_cost_model(settings(), [shape])
-    return dataclasses.replace(cost, overheads=overheads or {})
+def tiny_cost(tmp_path) -> CostModel:
+    """Measured curves of the tiny shape plus hand-set calibrated terms."""
+    cost = build_cost_model(settings(gemm_csv=gemm_csv(tmp_path / "gemm.csv")))
+    return dataclasses.replace(
+        cost, kernel_tflops=LogLogCurve(np.array([4.0, 64.0]), np.array([1.0, 10.0]), extend="flat"),
+        kernel_train_scale=3.5, other_gpu=OtherGpuTerms(0.01, 5.0, 2.0, 1), naive_ns_per_pair={"fwd": 20.0},
+        host={("occult", "fwd", 2): HostTerms(0.5, 1.0, 1, "test"), ("naive", "fwd", 1): HostTerms(0.1, 0.2, 1, "test")})
 
 
-def test_predicted_time_grows_with_tokens_and_dedup_sends_less():
+def test_method_names_map_to_families_and_modes():
+    assert method_spec("naive").family == "naive" and method_spec("naive").contiguous
+    spec = method_spec("occult-nd2-graph")
+    assert (spec.family, spec.mode, spec.max_devices, spec.static) == ("occult-graph", "dedup", 2, True)
+    assert method_spec("occult-pe").mode == "per_expert" and method_spec("occult-pe").family == "occult-pe"
+    assert method_spec("occult-static").family == "occult-static"
+    assert method_spec("occult-trivial").contiguous and method_spec("occult-compute").family == "occult-compute"
+    for bad in ("megablocks", "occult-bogus", "occult-pe-graph"):
+        with pytest.raises(SimulateError, match="method"):
+            method_spec(bad)
+
+
+def test_layer_time_is_host_before_the_sync_plus_the_longer_of_host_and_gpu_after(tmp_path):
+    cost = tiny_cost(tmp_path)
+    eager, graph = method_spec("occult"), method_spec("occult-graph")
+    assert layer_time(0.3, eager, "fwd", 2, cost)["layer_ms"] == pytest.approx(0.5 + 1.0)    # host-bound
+    assert layer_time(4.0, eager, "fwd", 2, cost)["layer_ms"] == pytest.approx(0.5 + 4.0)    # GPU-bound
+    assert layer_time(4.0, eager, "fwd", 8, cost)["layer_ms"] == pytest.approx(4.5)          # D=2 terms used at D=8
+    assert cost.host_for("occult", "fwd", 8).source.startswith("D=2 terms")
+    assert layer_time(4.0, graph, "fwd", 2, cost)["layer_ms"] == 4.0                         # replay: GPU only
+    assert np.isnan(layer_time(4.0, eager, "fwd", 1, cost)["layer_ms"])                      # nothing at D ≤ 1
+    assert cost.missing(eager, "fwd", 1).startswith("uncalibrated")
+    assert cost.missing(eager, "train", 2).startswith("uncalibrated")
+
+
+def test_fit_host_recovers_known_terms_and_splits_only_what_it_can():
+    gpu = np.array([0.1, 0.5, 2.0, 4.0, 8.0])
+    measured = 0.7 + np.maximum(1.2, gpu)
+    pre, post, loss = fit_host(gpu, measured)
+    assert pre == pytest.approx(0.7, abs=0.005) and post == pytest.approx(1.2, abs=0.005) and loss < 1e-5
+    # all host-bound: only pre + post is measured; the split comes from the D that fixes it
+    small = np.array([0.1, 0.2])
+    fits = {1: (pre, post, gpu, 5), 2: (*fit_host(small, np.array([3.0, 3.0]))[:2], small, 2)}
+    terms = host_terms("occult", "fwd", fits)
+    assert terms[("occult", "fwd", 2)].pre_ms + terms[("occult", "fwd", 2)].post_ms == pytest.approx(3.0, abs=0.01)
+    assert terms[("occult", "fwd", 2)].pre_ms / 3.0 == pytest.approx(0.7 / 1.9, abs=0.01)
+    assert "split of D=1" in terms[("occult", "fwd", 2)].source
+
+
+def test_static_and_recorded_traffic():
+    base = traffic(IDS, PLACEMENT, 2, "dedup", HIDDEN, source_N=np.array([0, 1, 1]))
+    fixed = static_traffic(base, HIDDEN)
+    np.testing.assert_array_equal(fixed.rows_SD, np.full((2, 2), 1.5))          # T rows to every device
+    np.testing.assert_array_equal(fixed.pairs_SD, base.pairs_SD)
+    shape = get_shape("olmoe")
+    rec = recorded_traffic(2, 1024, "dedup", shape, bytes_sent=100 * (4160 + 4096), mean_devices_per_token=1.5,
+                           pairs_received_max=5000)
+    assert rec.rows_SD[0, 1] == pytest.approx(100) and rec.rows_SD.sum(1)[0] == pytest.approx(1024 * 1.5)
+    np.testing.assert_allclose(rec.pairs_in_D, [5000, 5000])
+    with pytest.raises(SimulateError, match="recorded traffic"):
+        recorded_traffic(1, 1024, "dedup", shape, 0.0, 1.0, 10.0)
+
+
+def test_predicted_time_grows_with_tokens_and_dedup_sends_less(tmp_path):
     traces = ShapeTraces(get_shape("tiny"), 2048, seed=0)
-    cost = tiny_cost()
-    times = [simulate_point(traces, "occult", 2, tokens, "fwd", cost)["layer_ms"] for tokens in (64, 256, 1024, 4096)]
+    cost = tiny_cost(tmp_path)
+    times = [simulate_point(traces, "occult", 2, tokens, "fwd", cost)["gpu_ms"] for tokens in (64, 256, 1024, 4096)]
     assert np.all(np.diff(times) > 0)
     exact = simulate_point(traces, "occult", 4, 256, "fwd", cost)
     nd1 = simulate_point(traces, "occult-nd1", 4, 256, "fwd", cost)
     naive = simulate_point(traces, "naive", 4, 256, "fwd", cost)
+    graph = simulate_point(traces, "occult-graph", 4, 256, "fwd", cost)
     assert nd1["mean_devices_per_token"] == 1.0 <= exact["mean_devices_per_token"] <= 2
     assert nd1["dispatch_bytes_per_rank"] < exact["dispatch_bytes_per_rank"]
     assert exact["return_bytes_per_rank"] < naive["return_bytes_per_rank"]
-    slow = dataclasses.replace(cost, throughput={k: Throughput(v.level_tflops / 10) for k, v in cost.throughput.items()})
-    assert simulate_point(traces, "occult", 2, 256, "fwd", slow)["compute_ms"] == pytest.approx(
-        10 * simulate_point(traces, "occult", 2, 256, "fwd", cost)["compute_ms"])
+    assert graph["dispatch_bytes_per_rank"] == pytest.approx(3 * 256 * wire_row_bytes("dedup", traces.shape.hidden, 2, graph_slots(traces))[0])
+    assert graph["layer_ms"] == pytest.approx(graph["gpu_ms"])
+    slow = dataclasses.replace(cost, kernel_tflops=LogLogCurve(np.array([4.0]), np.array([0.1]), extend="flat"))
+    fast = dataclasses.replace(cost, kernel_tflops=LogLogCurve(np.array([4.0]), np.array([1.0]), extend="flat"))
+    assert simulate_point(traces, "occult", 2, 256, "fwd", slow)["kernels_ms"] == pytest.approx(
+        10 * simulate_point(traces, "occult", 2, 256, "fwd", fast)["kernels_ms"])
+
+
+def graph_slots(traces: ShapeTraces) -> int:
+    return traces.traffic_at("occult-graph", 4, 256)[0].slots
 
 
 def test_sweep_placement_is_the_sweeps_placement():
@@ -163,49 +242,96 @@ def measured_csv(path, rows):
     return str(path)
 
 
+def fake_sweep(tmp_path, name: str, shift_d2: float = 0.3) -> str:
+    """Measured rows of the tiny shape: eager occult/naive at D = 1, 2, graph and compute at D = 2."""
+    rows = []
+    for d in (1, 2):
+        for t in (64, 256, 1024):
+            for m in ("occult", "occult-nd1", "naive"):
+                rows.append({"kind": "prefill", "shape": "tiny", "method": m, "D": d, "tokens_per_gpu": t,
+                             "median_ms": 1.0 + t / 1000 + (shift_d2 if d == 2 else 0.0)})
+            if d == 2:
+                rows.append({"kind": "prefill", "shape": "tiny", "method": "occult-graph", "D": 2, "tokens_per_gpu": t,
+                             "median_ms": 0.01 + t / 20000})
+                rows.append({"kind": "prefill", "shape": "tiny", "method": "occult-compute", "D": 2,
+                             "tokens_per_gpu": t, "median_ms": 0.001 + t / 100000, "pairs_received_max": 2 * t})
+    return measured_csv(tmp_path / name, rows)
+
+
 def test_validation_table_separates_calibration_and_validation(tmp_path):
-    rows = [{"kind": "prefill", "shape": "tiny", "method": m, "D": d, "tokens_per_gpu": t,
-             "median_ms": 1.0 + t / 1000 + (0.3 if d == 2 else 0.0)}
-            for m in ("occult", "naive") for d in (1, 2) for t in (64, 256, 1024)]
-    path = measured_csv(tmp_path / "sweep.csv", rows)
-    cfg = settings(measured=(path,))
-    measured = read_measured(cfg.measured, cfg.methods)
+    path = fake_sweep(tmp_path, "sweep.csv")
+    cfg = settings(measured=(path,), calibration=(f"{path}@tokens_per_gpu=64,1024",),
+                   gemm_csv=gemm_csv(tmp_path / "gemm.csv"))
+    measured = read_measured(cfg.measured, cfg.calibration)
     traces = {"tiny": ShapeTraces(get_shape("tiny"), cfg.pool_tokens, 0)}
-    table, fitted = validate(cfg, traces, build_cost_model(cfg, [get_shape("tiny")]), measured)
+    table, fitted = validate(cfg, traces, build_cost_model(cfg), measured)
     assert tuple(table.columns) == VALIDATION_COLUMNS
-    assert len(table) == 12
-    assert set(table.loc[table["D"] == 1, "role"]) == {"calibration"}
-    assert set(table.loc[table["D"] == 2, "role"]) == {"validation"}
-    assert set(fitted.overheads) == {("occult", "fwd"), ("naive", "fwd")}
-    calibration = table[table["role"] == "calibration"]
-    assert calibration["rel_err"].abs().max() < 0.2
+    assert len(table) == 24
+    assert set(table.loc[table["tokens_per_gpu"] == 256, "role"]) == {"validation"}
+    assert set(table.loc[table["tokens_per_gpu"] != 256, "role"]) == {"calibration"}
+    assert {("occult", "fwd", 1), ("occult", "fwd", 2), ("naive", "fwd", 1), ("naive", "fwd", 2)} <= set(fitted.host)
+    assert fitted.kernel_tflops is not None and fitted.other_gpu is not None and "fwd" in fitted.naive_ns_per_pair
     assert np.allclose(table["rel_err"], (table["predicted_ms"] - table["measured_ms"]) / table["measured_ms"])
+    fitted_rows = table[(table["role"] == "calibration") & (table["family"] == "occult") & (table["D"] == 1)]
+    # GPU work is negligible there: the host-bound fit is one constant inside the measured range
+    assert len(fitted_rows) == 4 and fitted_rows["predicted_ms"].nunique() <= 2
+    assert fitted_rows["measured_ms"].min() < fitted_rows["predicted_ms"].min() <= fitted_rows["predicted_ms"].max() \
+        < fitted_rows["measured_ms"].max()
+    # at D = 1, occult and occult-nd1 are the same computation: replicates of each other
+    d1 = table[(table["D"] == 1) & (table["method"] != "naive")]
+    assert set(d1["replicates"]) == {2} and np.allclose(d1["replicate_ratio"], 1.0) and d1["reachable"].all()
+    assert set(table.loc[(table["D"] == 2) & (table["method"] == "occult"), "replicates"]) == {1}
+
+
+def test_validation_points_do_not_move_the_calibration(tmp_path):
+    """Changing a validation point's measurement changes its error, never the fitted terms."""
+    fits = []
+    for shift in (0.3, 5.0):
+        path = fake_sweep(tmp_path, f"sweep{shift}.csv")
+        frame = pd.read_csv(path)
+        frame.loc[frame["tokens_per_gpu"] == 256, "median_ms"] += shift
+        frame.to_csv(path, index=False)
+        cfg = settings(measured=(path,), calibration=(f"{path}@tokens_per_gpu=64,1024",),
+                       gemm_csv=gemm_csv(tmp_path / "gemm.csv"))
+        traces = {"tiny": ShapeTraces(get_shape("tiny"), cfg.pool_tokens, 0)}
+        fits.append(validate(cfg, traces, build_cost_model(cfg), read_measured(cfg.measured, cfg.calibration))[1])
+    assert fits[0].host == fits[1].host and fits[0].naive_ns_per_pair == fits[1].naive_ns_per_pair
+    assert fits[0].other_gpu == fits[1].other_gpu
 
 
 def test_run_simulate_writes_tables_and_figures(tmp_path):
-    rows = [{"kind": k, "shape": "tiny", "method": m, "D": 1, "tokens_per_gpu": t, "median_ms": 1.0 + t / 500}
-            for k in ("prefill", "train") for m in ("occult", "occult-nd1", "naive") for t in (64, 512)]
-    cfg = settings(measured=(measured_csv(tmp_path / "m.csv", rows),))
+    path = fake_sweep(tmp_path, "m.csv")
+    cfg = settings(measured=(path,), calibration=(path,), gemm_csv=gemm_csv(tmp_path / "gemm.csv"))
     paths = run_simulate(cfg, 0, tmp_path / "out", tmp_path / "fig")
     predictions = pd.read_csv(paths["predictions"])
     assert tuple(predictions.columns) == PREDICTION_COLUMNS
     ok = predictions[predictions["status"] == "ok"]
-    assert set(ok["D"]) == {2, 4} and set(ok["method"]) == {"occult", "occult-nd1", "naive"}
+    assert set(ok["D"]) == {2, 4} and set(ok["method"]) == {"occult", "occult-nd1", "occult-graph", "naive"}
     assert np.allclose(ok.loc[ok["method"] == "naive", "speedup_vs_naive"], 1.0)
     issue8 = pd.read_csv(paths["issue8"])
     assert set(issue8["kind"]) == {"prefill", "decode", "train"}
-    assert (paths["validation"].with_name("validation.csv.meta.json")).exists()
+    assert set(issue8.loc[issue8["kind"] == "train", "status"]) == {"uncalibrated: no occult-compute train rows in "
+                                                                    "simulate.calibration",
+                                                                    "uncalibrated: no naive train points in "
+                                                                    "simulate.calibration"}
+    meta = paths["validation"].with_name("validation.csv.meta.json")
+    assert meta.exists() and "host" in meta.read_text()
     for key in ("fig_speedup", "fig_validation"):
         assert paths[key].stat().st_size > 1000
 
 
 def test_bad_measured_inputs_are_named(tmp_path):
     with pytest.raises(SimulateError, match="nowhere.csv does not exist"):
-        read_measured([str(tmp_path / "nowhere.csv")], ["occult"])
+        read_measured([str(tmp_path / "nowhere.csv")])
     bad = tmp_path / "bad.csv"
     pd.DataFrame({"shape": ["tiny"], "method": ["occult"]}).to_csv(bad, index=False)
     with pytest.raises(SimulateError, match=r"bad\.csv lacks column\(s\) kind"):
-        read_measured([str(bad)], ["occult"])
+        read_measured([str(bad)])
+    good = fake_sweep(tmp_path, "good.csv")
+    with pytest.raises(SimulateError, match="simulate.calibration: .*bad.csv is not one of simulate.measured"):
+        read_measured([good], [str(bad)])
+    with pytest.raises(SimulateError, match="tokens_per_gpu=N"):
+        read_measured([good], [f"{good}@batch=3"])
     a2a = tmp_path / "alltoall.csv"
     pd.DataFrame({"D": [2], "pattern": ["equal"]}).to_csv(a2a, index=False)
     with pytest.raises(SimulateError, match="alltoall_csv: .*alltoall.csv lacks column"):

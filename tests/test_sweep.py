@@ -241,3 +241,19 @@ def test_sweep_runs_at_the_4_and_8_gpu_degrees_on_cpu_ranks(tmp_path, world):
             assert frame.loc[name, "status"] == "ok", (name, frame.loc[name, "status"])
             assert frame.loc[name, "max_rel_err"] < sweep.REL_TOLERANCE["float32"]
             assert frame.loc[name, "mean_devices_per_token"] <= min(world, 2) if name.startswith("occult") else True
+
+
+def test_sweep_writes_json_progress_and_a_failed_record(tmp_path):
+    log = tmp_path / "sweep.jsonl"
+    run_cli(tmp_path, 1, "--methods", "occult", "naive", "--log-json", str(log))
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    points = [r for r in records if r.get("event") == "progress" and r.get("method")]
+    assert {r["method"] for r in points} == {"occult", "naive"} and all("median_ms" in r for r in points)
+    assert records[-1]["event"] == "done"
+    bad = tmp_path / "bad.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "occult.sweep", "--device", "cpu", "--D", "1", "--methods",
+                           "occult-fast", "--log-json", str(bad)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 1 and "occult-fast" in proc.stderr
+    failed = [json.loads(line) for line in bad.read_text().splitlines()][-1]
+    assert failed["event"] == "failed" and "occult-fast" in failed["message"]

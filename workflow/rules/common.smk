@@ -93,12 +93,32 @@ def committed_ep_runs() -> list[tuple[str, str]]:
 
 def ep_bench_csvs(wildcards) -> list[str]:
     run_dir = Path("results") / wildcards.machine / f"ep_{wildcards.version}"
-    return sorted(str(p) for p in [*run_dir.glob("ep_*_D*.csv"), run_dir / "peak.csv"])
+    comm = run_dir.parent.glob("comm_*/alltoall.csv")      # the machine's own all-to-all curve, if any
+    return sorted(str(p) for p in [*run_dir.glob("ep_*_D*.csv"), run_dir / "peak.csv", *comm])
 
 
 def gpu_sweep_csvs(wildcards) -> list[str]:
     run_dir = Path("results") / wildcards.machine / f"sweeps_{wildcards.version}"
     return sorted(str(p) for p in run_dir.glob("sweep_*_D*.csv"))
+
+
+def committed_quality_runs() -> list[tuple[str, str]]:
+    """(machine, version) of every committed quality-study run: results/<machine>/quality_<version>/evaluate/."""
+    return sorted({(path.parent.parent.parent.name, path.parent.parent.name.removeprefix("quality_"))
+                   for path in Path("results").glob("*/quality_*/evaluate/*.json")})
+
+
+def quality_eval_jsons(wildcards) -> list[str]:
+    run_dir = Path("results") / wildcards.machine / f"quality_{wildcards.version}"
+    return sorted(str(p) for p in (run_dir / "evaluate").glob("*.json"))
+
+
+def quality_run_dir(wildcards, input) -> str:
+    return str(Path(input.scores[0]).parent.parent)
+
+
+def quality_figures_dir(wildcards, output) -> str:
+    return str(Path(output.figure).parent)
 
 
 def gpus_of_sweep(wildcards) -> int:
@@ -144,6 +164,8 @@ def final_outputs() -> list[str]:
         f"{RESULTS}/bench/ep_cpu.csv",
         *[f"results/{m}/sweeps_{v}/speedups.csv" for m, v in committed_sweep_runs()],
         *[f"results/{m}/ep_{v}/targets.csv" for m, v in committed_ep_runs()],
+        *[f"results/{m}/quality_{v}/tables/accuracy.csv" for m, v in committed_quality_runs()],
+        *[f"figures/{m}/quality_{v}/accuracy.png" for m, v in committed_quality_runs()],
         f"{RESULTS}/config.yaml",
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",

@@ -27,3 +27,42 @@ rule eval_variant:
         "occult evaluate --config {params.config} --threads {threads} --variant {wildcards.variant}"
         " --model {input.model} --data {params.data} --profile {params.profile}"
         " --placements {params.placements} --out {output.scores} --log-json {log.json} 2>&1 | tee {log.text}"
+
+
+# The quality study's tables, verdicts and figure from a committed GPU run (docs/quality.md):
+# one job per results/<machine>/quality_<version>/ holding evaluate/<arm>.json; CPU only.
+rule plot_quality:
+    input:
+        scores=quality_eval_jsons,
+    output:
+        accuracy=report(
+            "results/{machine}/quality_{version}/tables/accuracy.csv",
+            category="Quality study (GPU)",
+            caption="../report/accuracy.rst",
+        ),
+        verdicts="results/{machine}/quality_{version}/tables/verdicts.json",
+        figure=report(
+            "figures/{machine}/quality_{version}/accuracy.png",
+            category="Quality study (GPU)",
+            caption="../report/accuracy.rst",
+        ),
+    params:
+        run_dir=quality_run_dir,
+        figures=quality_figures_dir,
+    log:
+        text="logs/plot_quality/{machine}_{version}.log",
+        json="logs/plot_quality/{machine}_{version}.jsonl",
+    benchmark:
+        "benchmarks/plot_quality/{machine}_{version}.tsv"
+    wildcard_constraints:
+        machine="[^/]+",
+        version="[^/]+",
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python -m occult.evaluate --summarise {params.run_dir} --figures {params.figures}"
+        " --log-json {log.json} > {log.text} 2>&1"

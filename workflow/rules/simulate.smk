@@ -23,7 +23,8 @@ rule simulate_scale:
         outdir=output_dir,
         figures=simulate_figures_dir,
     log:
-        f"logs/simulate_scale/{RUN}.log",
+        text=f"logs/simulate_scale/{RUN}.log",
+        json=f"logs/simulate_scale/{RUN}.jsonl",
     benchmark:
         f"benchmarks/simulate_scale/{RUN}.tsv"
     conda:
@@ -34,4 +35,4 @@ rule simulate_scale:
         runtime=15,
     shell:
         "python -m occult.simulate --config {params.config} --out {params.outdir} --figures {params.figures}"
-        " 2>&1 | tee {log}"
+        " --log-json {log.json} 2>&1 | tee {log.text}"
