@@ -73,7 +73,7 @@ rule plot_ep_bench:
             caption="../report/ep_bench.rst",
         ),
     params:
-        run_dir=lambda wildcards, input: str(Path(input.csvs[0]).parent),
+        run_dir=lambda wildcards: f"results/{wildcards.machine}/ep_{wildcards.version}",
     log:
         text="logs/plot_ep_bench/{machine}_{version}.log",
         json="logs/plot_ep_bench/{machine}_{version}.jsonl",
