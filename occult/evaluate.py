@@ -234,7 +234,7 @@ def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path
 
     from occult.evaltasks import CHANCE, TASK_NAMES, make_task_dir
     from occult.models import load_checkpoint, set_routing
-    from occult.variants import arm_config, routing_for_variant
+    from occult.variants import arm_config, arms_before_deadline, routing_for_variant
 
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     todo = [a for a in arms if not (out_dir / f"{a.name}.json").is_file()]
@@ -246,11 +246,7 @@ def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path
         task_manager = TaskManager(include_path=str(make_task_dir(data_dir / "eval", tasks, Path(tmp) / "tasks")),
                                    include_defaults=False)
         with progress(todo, desc="arms", unit="arm") as bar:
-            for arm in bar:
-                if deadline is not None and time.monotonic() >= deadline:
-                    missing.append(arm.name)
-                    continue
-                bar.log(arm=arm.name)
+            for arm in arms_before_deadline(bar, deadline, missing):
                 arm_cfg = arm_config(cfg, arm)
                 seed_everything(arm_cfg.seed)
                 model_dir = base_model_dir if arm.name == "raw" else arms_root / arm.name

@@ -175,7 +175,7 @@ def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, prof
     output exists are skipped (resumable); no new arm starts after `time_limit_s`.
     Returns the names of the arms still missing."""
     from occult.models import load_checkpoint, set_routing
-    from occult.variants import arm_config, routing_for_variant
+    from occult.variants import arm_config, arms_before_deadline, routing_for_variant
 
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
     todo = [a for a in arms if parse_variant(a.variant).trains and not (out_root / a.name).is_dir()]
@@ -188,11 +188,7 @@ def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, prof
     pairs = load_pairs(data_dir / "instructions.jsonl")
     missing = []
     with progress(todo, desc="arms", unit="arm") as bar:
-        for arm in bar:
-            if deadline is not None and time.monotonic() >= deadline:
-                missing.append(arm.name)
-                continue
-            bar.log(arm=arm.name)
+        for arm in arms_before_deadline(bar, deadline, missing):
             arm_cfg = arm_config(cfg, arm)
             variant = parse_variant(arm.variant)
             seq_len = arm_cfg.finetune.seq_len

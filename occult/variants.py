@@ -118,3 +118,18 @@ def arm_config(cfg: Config, arm: Arm) -> Config:
     from occult.config import load_config, merge
 
     return load_config(merge(cfg.raw, arm.overrides()))
+
+
+def arms_before_deadline(arms, deadline: float | None, missing: list[str]):
+    """Yield the arms of `arms` (an iterable or progress bar) while `time.monotonic()` is before
+    `deadline`; the names of the rest go to `missing` (a resumable phase picks them up next call)."""
+    import time
+
+    for arm in arms:
+        if deadline is not None and time.monotonic() >= deadline:
+            missing.append(arm.name)
+            continue
+        if hasattr(arms, "log"):
+            arms.log(arm=arm.name)
+        yield arm
+
