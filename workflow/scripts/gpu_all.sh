@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement of issues 3 and 4 in priority order, for one device session:
+#   0. the bf16 GPU tests of the kernels and the EP layer (tests -m gpu),
 #   1. MegaBlocks (cached wheels or a build) and Tutel from carried sources,
 #   2. the EP runtime's benchmark (gpu_ep_bench.sh),
 #   3. the baselines' sweeps at D = all GPUs: prefill, train, decode (gpu_sweeps.sh),
@@ -16,6 +17,9 @@ gpus=$(nvidia-smi -L | wc -l)
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
   echo "commit: ${OCCULT_COMMIT:-unknown}"; } > "$out/machine.txt" 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || tail -5 "$out/install.log"
+echo "== GPU tests ($(date -u +%T))"
+timeout 300 python3 -m pytest tests/kernels tests/ep -m gpu -q -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+tail -2 "$out/gpu_tests.log"
 {
   echo "== baselines ($(date -u +%T))"
   WHEEL_CACHE=${WHEEL_CACHE:-} bash "$here/build_baselines.sh" "$sdist" /tmp/occult-baselines

@@ -9,5 +9,5 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)';
   git rev-parse HEAD 2>/dev/null || echo "commit: ${OCCULT_COMMIT:-unknown}"; } > "$out/machine.txt" 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || cat "$out/install.log"
-timeout 420 python3 -m pytest tests/kernels -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
+timeout 420 python3 -m pytest tests/kernels tests/ep -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
 timeout 420 python3 -m occult.kernels.bench_kernels --out "$out/kernels.csv" 2>&1 | tee "$out/bench_kernels.log" | tail -40
