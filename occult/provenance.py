@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -56,9 +57,33 @@ def hardware() -> dict[str, Any]:
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
             info["gpu_count"] = torch.cuda.device_count()
+            info["interconnect"] = gpu_interconnect(info["gpu_count"], _nvidia_smi_topology())
     except ImportError:
         pass
     return info
+
+
+def gpu_interconnect(gpu_count: int, topology: str | None) -> str:
+    """How GPU0 reaches the other GPUs, from `nvidia-smi topo -m` (e.g. "NV18": 18 NVLinks;
+    "PIX"/"PHB"/"SYS": PCIe paths), the distinct link types joined by "/"."""
+    if gpu_count < 2:
+        return "single GPU"
+    for line in (topology or "").splitlines():
+        fields = line.split()
+        if line.startswith("GPU0"):            # GPU0's row (the header row starts with whitespace)
+            links = [f for f in fields[1:gpu_count + 1] if f != "X"]
+            if links:
+                return "/".join(sorted(set(links)))
+    return "unknown (nvidia-smi topo -m unavailable)"
+
+
+@functools.lru_cache(maxsize=1)
+def _nvidia_smi_topology() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def provenance(config_hash: str | None = None, seed: int | None = None, **extra: Any) -> dict[str, Any]:

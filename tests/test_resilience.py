@@ -374,3 +374,15 @@ def test_results_carry_provenance(stages):
         assert meta["commit"], name
         assert meta["versions"]["torch"] in {torch.__version__, torch.__version__.split("+")[0]}, name
         assert meta["hardware"]["cpu_count"] == os.cpu_count(), name
+
+
+def test_gpu_interconnect_is_read_from_nvidia_smi_topology():
+    from occult.provenance import gpu_interconnect
+
+    topology = ("\tGPU0\tGPU1\tGPU2\tCPU Affinity\n"
+                "GPU0\t X \tNV18\tSYS\t0-31\n"
+                "GPU1\tNV18\t X \tSYS\t0-31\n")
+    assert gpu_interconnect(3, topology) == "NV18/SYS"
+    assert gpu_interconnect(2, topology) == "NV18"
+    assert gpu_interconnect(1, topology) == "single GPU"
+    assert gpu_interconnect(2, None).startswith("unknown")
