@@ -31,11 +31,9 @@ steps, median of `repeats` (≥ 20 on GPUs). Both CSVs carry a `.meta.json` prov
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -323,11 +321,6 @@ def run_commbench(settings: BenchSettings) -> dict[str, Path]:
     return paths
 
 
-def _run_in_rank(rank: int, world: int, settings: BenchSettings) -> int:
-    run_commbench(settings)
-    return rank
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m occult.commbench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for alltoall.csv and gemm.csv")
@@ -350,10 +343,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from occult.ep.dist import run_in_group
+
     args = build_parser().parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    torchrun = "WORLD_SIZE" in os.environ and "RANK" in os.environ
     world = args.D if args.D is not None else int(os.environ.get("WORLD_SIZE", "1"))
     command = " ".join(["python -m occult.commbench", *(argv if argv is not None else sys.argv[1:])])
     settings = BenchSettings(
@@ -364,36 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings.validate()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: cuda requested but torch sees no GPU (use --device cpu)")
-    timeout = datetime.timedelta(seconds=args.timeout_s)
-    if torchrun:
-        if world != int(os.environ["WORLD_SIZE"]):
-            raise ValueError(f"--D {world} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl", timeout=timeout,
-                                    device_id=torch.device("cuda", torch.cuda.current_device()))
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
-        try:
-            run_commbench(settings)
-        finally:
-            dist.destroy_process_group()
-        return 0
-    if args.device == "cpu":
-        from occult.ep.dist import run_ranks
-
-        run_ranks(_run_in_rank, world, settings, timeout_s=args.timeout_s, deadline_s=3600.0)
-        return 0
-    if world != 1:
-        raise ValueError(f"--D {world} on GPUs needs torchrun --nproc_per_node={world}")
-    with tempfile.TemporaryDirectory(prefix="occult-commbench-") as tmp:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
-                                timeout=timeout, device_id=torch.device("cuda", 0))
-        try:
-            run_commbench(settings)
-        finally:
-            dist.destroy_process_group()
+    run_in_group(lambda: run_commbench(settings), args.device, world, args.timeout_s, deadline_s=3600.0)
     return 0
 
 

@@ -47,7 +47,6 @@ import platform
 import re
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 import zlib
@@ -954,28 +953,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _launched_by_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
-def _run_in_rank(rank: int, world: int, settings: SweepSettings) -> int:
-    return len(_sweep(settings))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    import datetime
+    from occult.ep.dist import launched_by_torchrun, run_in_group
 
     args = build_parser().parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SweepError("device: cuda requested but torch sees no GPU (use --device cpu)")
-    torchrun = _launched_by_torchrun()
+    torchrun = launched_by_torchrun()
     if torchrun and args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))   # before any CUDA call
     world = args.D if args.D is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    if torchrun and world != int(os.environ["WORLD_SIZE"]):
-        raise SweepError(f"--D {world} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
     launcher = f"torchrun(nproc={os.environ['WORLD_SIZE']}) " if torchrun else ""
     command = launcher + " ".join(["python -m occult.sweep", *(argv if argv is not None else sys.argv[1:])])
     settings = SweepSettings(
@@ -988,33 +977,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         routing=args.routing, trace=args.trace,
     )
     settings.validate()
-    timeout = datetime.timedelta(seconds=args.timeout_s)
-    if torchrun:
-        if args.device == "cuda":
-            local = torch.device("cuda", torch.cuda.current_device())
-            dist.init_process_group("nccl", timeout=timeout, device_id=local)
-        else:
-            dist.init_process_group("gloo", timeout=timeout)
-        try:
-            _sweep(settings)
-        finally:
-            dist.destroy_process_group()
-        return 0
-    if args.device == "cpu":
-        from occult.ep.dist import run_ranks
-
-        run_ranks(_run_in_rank, world, settings, timeout_s=args.timeout_s, deadline_s=24 * 3600.0)
-        return 0
-    if world != 1:
-        raise SweepError(f"--D {world} on GPUs needs torchrun --nproc_per_node={world}")
-    with tempfile.TemporaryDirectory(prefix="occult-sweep-") as tmp:
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
-                                timeout=timeout, device_id=torch.device("cuda", 0))
-        try:
-            _sweep(settings)
-        finally:
-            dist.destroy_process_group()
+    run_in_group(lambda: _sweep(settings), args.device, world, args.timeout_s, error=SweepError)
     return 0
 
 

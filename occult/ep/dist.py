@@ -186,3 +186,48 @@ def run_ranks(
         results.close()
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return [values[rank] for rank in range(world_size)]
+
+
+def launched_by_torchrun() -> bool:
+    """True inside a process started by torchrun (it sets WORLD_SIZE and RANK)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def run_in_group(
+    fn: Callable[[], Any],
+    device: str,
+    world: int,
+    timeout_s: float,
+    deadline_s: float = 24 * 3600.0,
+    error: type[Exception] = ValueError,
+) -> None:
+    """Call `fn()` on every rank of an EP group of `world` ranks, however the command was started:
+    under torchrun (NCCL on GPUs, gloo on the CPU), as `world` forked gloo ranks on the CPU
+    (`run_ranks`), or on one GPU (a one-rank NCCL group). Mismatches raise `error`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if launched_by_torchrun():
+        if world != int(os.environ["WORLD_SIZE"]):
+            raise error(f"--D {world} differs from torchrun's WORLD_SIZE {os.environ['WORLD_SIZE']}")
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl", timeout=timeout,
+                                    device_id=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            dist.init_process_group("gloo", timeout=timeout)
+        try:
+            fn()
+        finally:
+            dist.destroy_process_group()
+    elif device == "cpu":
+        run_ranks(lambda rank, world_size: fn(), world, timeout_s=timeout_s, deadline_s=deadline_s)
+    else:
+        if world != 1:
+            raise error(f"--D {world} on GPUs needs torchrun --nproc_per_node={world}")
+        with tempfile.TemporaryDirectory(prefix="occult-group-") as tmp:
+            torch.cuda.set_device(0)
+            dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=0, world_size=1,
+                                    timeout=timeout, device_id=torch.device("cuda", 0))
+            try:
+                fn()
+            finally:
+                dist.destroy_process_group()

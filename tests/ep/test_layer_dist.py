@@ -225,3 +225,25 @@ def test_run_ranks_never_hangs(fn, match):
 
 def test_run_ranks_returns_in_rank_order():
     assert run_ranks(lambda rank, world, base: (rank, world, base), 3, 10) == [(0, 3, 10), (1, 3, 10), (2, 3, 10)]
+
+
+def test_run_in_group_names_a_group_size_that_does_not_match_the_launch(monkeypatch, tmp_path):
+    from occult.ep.dist import run_in_group
+
+    called = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(KeyError, match="differs from torchrun's WORLD_SIZE 2"):
+        run_in_group(lambda: called.append(1), "cpu", 4, timeout_s=5, error=KeyError)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    with pytest.raises(ValueError, match="needs torchrun --nproc_per_node=2"):
+        run_in_group(lambda: called.append(1), "cuda", 2, timeout_s=5)
+    assert not called
+
+    def mark() -> None:            # runs in each forked gloo rank
+        group = torch.distributed
+        (tmp_path / f"rank{group.get_rank()}_of{group.get_world_size()}").touch()
+
+    run_in_group(mark, "cpu", 2, timeout_s=30)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0_of2", "rank1_of2"]
