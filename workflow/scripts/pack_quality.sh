@@ -21,7 +21,6 @@ PY=${PYTHON:-.venv/bin/python}
 LIMIT_MIB=${PACK_LIMIT_MIB:-55}
 WHEEL_PACKAGES="lm_eval datasets dill multiprocess jsonschema jsonschema-specifications referencing rpds-py"
 
-grep -qxF '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
 mkdir -p "$DEST"
 
 echo "== resolved config ($PRESET over config/config.yaml)" >&2
