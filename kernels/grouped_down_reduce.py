@@ -47,6 +47,7 @@ from .grouped_swiglu import (
     dot_precision,
     expert_tile,
     fixed_gemm_meta,
+    kernel_name,
     launch_gemm,
     m_tile_bound,
     swizzle_tiles,
@@ -288,7 +289,7 @@ def grouped_down_reduce_backward(
             dh_MF = torch.empty(num_pairs, ffn, dtype=h_MF.dtype, device=h_MF.device)
             # One row of partial dot products per F block, for the narrowest BLOCK_N that may run;
             # rows of blocks the chosen config does not have stay zero.
-            meta = fixed_gemm_meta(h_MF.dtype, num_pairs)
+            meta = fixed_gemm_meta(h_MF.dtype, num_pairs, kernel_name(_down_bwd_dh_kernel))
             narrowest = meta["BLOCK_N"] if meta else min(cfg.kwargs["BLOCK_N"] for cfg in SINGLE_ACC_CONFIGS)
             dgp_NM = torch.zeros(triton.cdiv(ffn, narrowest), num_pairs, dtype=torch.float32, device=h_MF.device)
             args = (

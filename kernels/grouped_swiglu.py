@@ -40,6 +40,7 @@ TRITON_INTERPRET=1 one config with 16-wide blocks is used, decided at launch tim
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -82,8 +83,11 @@ AUTOTUNE_MIN_PAIRS = 8192
 GROUP_M = 8
 
 
-def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int) -> Mapping[str, int] | None:
-    """The single config to launch with, or None to autotune (decided per launch)."""
+def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int, kernel_name: str | None = None) -> Mapping[str, int] | None:
+    """The single config to launch with, or None to autotune (decided per launch). A config forced
+    for `kernel_name` (`forced_gemm_meta`, the config sweep of `tune_kernels`) wins over all."""
+    if kernel_name is not None and kernel_name in _FORCED_META:
+        return _FORCED_META[kernel_name]
     if interpreting():
         return INTERPRET_GEMM_META
     if dtype == torch.float32:
@@ -93,13 +97,40 @@ def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int) -> Mapping[str, int] | N
     return None
 
 
+_FORCED_META: dict[str, Mapping[str, int]] = {}
+
+
+def kernel_name(kernel) -> str:
+    """The Python name of a `triton.jit` kernel (also under the interpreter)."""
+    return getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+
+
+@contextlib.contextmanager
+def forced_gemm_meta(name: str, meta: Mapping[str, int]):
+    """Launch the GEMM kernel called `name` with `meta` (BLOCK_M/N/K, num_warps, num_stages and
+    optionally GROUP_SIZE) inside the block, bypassing the autotuner: one config at a time for the
+    config sweep. Not thread-safe; restores the previous state on exit."""
+    missing = {"BLOCK_M", "BLOCK_N", "BLOCK_K"} - set(meta)
+    if missing:
+        raise ValueError(f"forced_gemm_meta: meta for {name} lacks {sorted(missing)}")
+    previous = _FORCED_META.get(name)
+    _FORCED_META[name] = MappingProxyType(dict(meta))
+    try:
+        yield
+    finally:
+        if previous is None:
+            _FORCED_META.pop(name, None)
+        else:
+            _FORCED_META[name] = previous
+
+
 def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dtype, num_pairs: int) -> None:
-    """Launch `kernel` with the fixed config for (dtype, size), or its autotuned wrapper `tuned`."""
-    meta = fixed_gemm_meta(dtype, num_pairs)
+    """Launch `kernel` with the fixed (or forced) config for (dtype, size), or its autotuned wrapper `tuned`."""
+    meta = fixed_gemm_meta(dtype, num_pairs, kernel_name(kernel))
     if meta is None:
         tuned[grid](*args, **consts)
     else:
-        kernel[grid(meta)](*args, **consts, **meta)
+        kernel[grid(meta)](*args, **{**consts, **meta})
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,110 @@
+"""The GEMM config sweep (`occult.kernels.tune_kernels`): candidates, forcing, checking, CSV."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from occult.kernels import tune_kernels
+from occult.kernels.tune_kernels import KERNELS, candidates, fits, row_table
+
+swiglu_module = tune_kernels.swiglu_module
+GRID = dict(blocks=(64, 128, 256), block_k=(32, 64, 128), warps=(4, 8), stages=(2, 3, 4, 5), group_sizes=(4, 8),
+            elem_bytes=2, smem_kib=220.0)
+
+
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_candidates_start_with_the_autotuner_configs_and_all_fit(kernel):
+    spec = KERNELS[kernel]
+    metas = candidates(spec, **GRID, limit=30, seed=1)
+    own = [tune_kernels.config_meta(cfg) for cfg in spec.current]
+    assert len(metas) == 30
+    for meta, want in zip(metas, own):
+        assert {key: meta[key] for key in want} == want
+        assert meta.get("GROUP_SIZE") == (swiglu_module.GROUP_M if spec.grouped else None)
+    rest = metas[len(own):]
+    assert all(fits(spec, meta, 2, 220.0) for meta in rest)
+    assert all(("GROUP_SIZE" in meta) == spec.grouped for meta in metas)
+    assert len({tuple(sorted(meta.items())) for meta in metas}) == len(metas)
+    assert candidates(spec, **GRID, limit=30, seed=1) == metas            # seeded
+    assert candidates(spec, **GRID, limit=30, seed=2) != metas
+
+
+def test_fits_rejects_tiles_beyond_shared_memory_or_registers():
+    spec = KERNELS["swiglu_fwd"]                     # one A tile, two B tiles, two accumulators
+    small = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    assert fits(spec, small, 2, 220.0)               # 3 * (8192 + 16384) * 2 B = 144 KiB
+    assert not fits(spec, {**small, "num_stages": 5}, 2, 220.0)            # 240 KiB
+    assert not fits(spec, {**small, "num_warps": 4}, 2, 220.0)             # 256 accumulator registers
+    assert fits(KERNELS["down_fwd"], {**small, "num_warps": 4}, 2, 220.0)  # one accumulator: 128
+
+
+def test_forced_meta_wins_and_is_restored():
+    name = "_down_fwd_kernel"
+    meta = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
+    before = swiglu_module.fixed_gemm_meta(torch.bfloat16, 10**6, name)
+    with swiglu_module.forced_gemm_meta(name, meta):
+        assert dict(swiglu_module.fixed_gemm_meta(torch.bfloat16, 10**6, name)) == meta
+        assert swiglu_module.fixed_gemm_meta(torch.bfloat16, 10**6, "_swiglu_fwd_kernel") == before
+    assert swiglu_module.fixed_gemm_meta(torch.bfloat16, 10**6, name) == before
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        with swiglu_module.forced_gemm_meta(name, {"BLOCK_M": 16, "BLOCK_N": 16}):
+            pass
+
+
+def test_row_table_lists_each_rows_pairs():
+    gen = torch.Generator().manual_seed(3)
+    pair_row = torch.randint(0, 9, (40,), generator=gen)
+    table = row_table(pair_row, 11)                   # rows 9 and 10 have no pairs
+    assert table.shape[0] == 11
+    for row in range(11):
+        listed = sorted(int(p) for p in table[row] if p >= 0)
+        assert listed == sorted(torch.nonzero(pair_row == row).flatten().tolist())
+
+
+def test_a_config_that_changes_the_result_is_marked_wrong(monkeypatch):
+    """The check compares with the default: a forced launch that computes something else is caught."""
+    x = torch.randn(8, 4)
+
+    def fake_runner(kernel, inp):
+        return lambda: (x + (1.0 if swiglu_module._FORCED_META else 0.0),)
+
+    monkeypatch.setattr(tune_kernels, "op_runner", fake_runner)
+    metas = [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2, "GROUP_SIZE": 8}]
+    rows = tune_kernels.sweep_kernel("down_fwd", None, metas, 1.0, False, 1, 1, deadline=float("inf"))
+    assert [row["status"] for row in rows] == ["ok", "wrong"]
+    assert rows[1]["rel_err_vs_default"] > 0.1
+    assert rows[1]["BLOCK_M"] == 16 and rows[0]["config"] == "autotuned"
+
+
+def test_smoke_sweep_writes_checked_rows_for_every_kernel(tmp_path):
+    out = tmp_path / "tune" / "tune.csv"
+    assert tune_kernels.main(["--smoke", "--out", str(out), "--max-configs", "6"]) == 0
+    frame = pd.read_csv(out)
+    assert set(frame["kernel"]) == set(KERNELS)
+    assert (frame["status"] == "ok").all(), frame[frame["status"] != "ok"][["kernel", "status"]]
+    assert (frame["rel_err_vs_default"] <= 1e-2).all()
+    per_kernel = frame.groupby("kernel")
+    assert (per_kernel.size() == 7).all()                               # the default + 6 forced
+    assert (per_kernel["config"].first() == "autotuned").all()
+    forced = frame[frame["config"] == "forced"]
+    # past the autotuner's own configs, the smoke grid's 16/32-wide blocks run
+    assert (forced["BLOCK_M"] <= 32).any() and not forced["in_autotune_set"].all()
+    grouped = forced["kernel"].map(lambda k: KERNELS[k].grouped)
+    assert forced.loc[grouped, "GROUP_SIZE"].notna().all() and forced.loc[~grouped, "GROUP_SIZE"].isna().all()
+    assert (frame["median_ms"] > 0).all() and frame["commit"].notna().all()
+    meta = json.loads((tmp_path / "tune" / "tune.csv.meta.json").read_text())
+    assert meta["tune_args"]["smoke"] is True
+    # appending: a second run adds rows, keeps the first
+    assert tune_kernels.main(["--smoke", "--out", str(out), "--kernels", "down_dw", "--max-configs", "1"]) == 0
+    assert len(pd.read_csv(out)) == len(frame) + 2
+
+
+def test_without_a_gpu_only_the_interpreted_smoke_runs(tmp_path, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit, match="TRITON_INTERPRET"):
+        tune_kernels.main(["--out", str(tmp_path / "t.csv")])
