@@ -292,27 +292,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="long-format CSV (rows are appended)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU with TRITON_INTERPRET=1")
-    parser.add_argument("--tokens-per-rank", type=int, default=2**14)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=["uniform", "skewed"])
-    parser.add_argument("--zipf", type=float, default=1.2, help="popularity exponent of the skewed routing")
+    add_workload_args(parser, routing_nargs="+", routing_default=["uniform", "skewed"])
     ops = ["grouped_swiglu", "grouped_down_reduce", "expert_ffn", "combine"]
     parser.add_argument("--ops", nargs="+", default=ops, choices=ops)
     parser.add_argument("--warmup-ms", type=int, default=25)
     parser.add_argument("--rep-ms", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    check_workload_args(parser, args)
+    return args
+
+
+def add_workload_args(parser: argparse.ArgumentParser, routing_nargs: str | None, routing_default) -> None:
+    """The workload's shape and routing options (shared with `tune_kernels`)."""
+    parser.add_argument("--tokens-per-rank", type=int, default=2**14)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=1024)
+    parser.add_argument("--routing", nargs=routing_nargs, default=routing_default, choices=["uniform", "skewed"])
+    parser.add_argument("--zipf", type=float, default=1.2, help="popularity exponent of the skewed routing")
+
+
+def check_workload_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Reject shapes the workload cannot build; `--smoke` swaps in the tiny interpreter shape."""
     if args.experts % args.ranks:
         parser.error(f"--experts {args.experts} is not divisible by --ranks {args.ranks}")
     if args.top_k > args.experts:
         parser.error(f"--top-k {args.top_k} exceeds --experts {args.experts}")
     if args.smoke:
         args.tokens_per_rank, args.experts, args.top_k, args.hidden, args.ffn = 48, 8, 2, 32, 16
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

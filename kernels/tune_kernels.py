@@ -37,7 +37,6 @@ import argparse
 import datetime as dt
 import importlib
 import itertools
-import os
 import random
 import sys
 import time
@@ -51,7 +50,8 @@ import triton
 
 from occult.provenance import atomic_path, git_commit, provenance, seed_everything, write_json
 
-from .bench_kernels import BenchShape, Workload, build_workload, rel_err
+from .bench_kernels import (BenchShape, Workload, add_workload_args, build_workload, check_workload_args, rel_err,
+                            time_ms)
 from .combine import interpreting
 from .grouped_down_reduce import grouped_down_reduce_backward, grouped_down_reduce_forward
 from .grouped_swiglu import forced_gemm_meta, grouped_swiglu_backward, grouped_swiglu_forward
@@ -186,22 +186,6 @@ def op_runner(kernel: str, inp: Inputs) -> Callable[[], tuple[torch.Tensor, ...]
     raise ValueError(f"--kernels: unknown kernel {kernel!r} (one of {sorted(KERNELS)})")
 
 
-def time_op(fn: Callable[[], object], on_gpu: bool, warmup_ms: int, rep_ms: int) -> tuple[float, float, float]:
-    """(median, 20 %, 80 %) ms; on CPU (smoke) one untimed call and three timed ones."""
-    if on_gpu:
-        median, low, high = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, quantiles=[0.5, 0.2, 0.8])
-        return float(median), float(low), float(high)
-    fn()
-    samples = sorted(_wall_ms(fn) for _ in range(3))
-    return samples[1], samples[0], samples[2]
-
-
-def _wall_ms(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
 def classify(exc: BaseException) -> str:
     """Status of a config that raised: out_of_resources (does not fit this GPU) or error: <what>."""
     if isinstance(exc, triton.runtime.errors.OutOfResources) or "out of resource" in str(exc).lower():
@@ -236,7 +220,7 @@ def sweep_kernel(kernel: str, inp: Inputs, metas: list[dict[str, int]], flops: f
             if not error <= REL_ERR_LIMIT:
                 row.update(status="wrong", rel_err_vs_default=error)
             else:
-                median, low, high = time_op(fn, on_gpu, warmup_ms, rep_ms)
+                median, low, high = time_ms(fn, on_gpu, warmup_ms, rep_ms)
                 row.update(status="ok", rel_err_vs_default=error, median_ms=median, p20_ms=low, p80_ms=high,
                            tflops=flops / (median * 1e-3) / 1e12)
         except Exception as exc:       # a config this GPU cannot run: record it, go on
@@ -257,14 +241,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, type=Path, help="long-format CSV (rows are appended)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and blocks; CPU with TRITON_INTERPRET=1")
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
-    parser.add_argument("--tokens-per-rank", type=int, default=2**14)
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--top-k", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--routing", default="uniform", choices=["uniform", "skewed"])
-    parser.add_argument("--zipf", type=float, default=1.2)
+    add_workload_args(parser, routing_nargs=None, routing_default="uniform")
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256], help="BLOCK_M and BLOCK_N values")
     parser.add_argument("--block-k", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
@@ -277,12 +254,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rep-ms", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.experts % args.ranks:
-        parser.error(f"--experts {args.experts} is not divisible by --ranks {args.ranks}")
+    check_workload_args(parser, args)
     if args.max_configs < 0:
         parser.error(f"--max-configs must be >= 0, got {args.max_configs}")
     if args.smoke:
-        args.tokens_per_rank, args.experts, args.top_k, args.hidden, args.ffn = 48, 8, 2, 32, 16
         args.blocks, args.block_k, args.warps, args.stages = [16, 32], [16], [4], [2]
         args.max_configs = min(args.max_configs, 7)      # reaches past the autotuner's own configs
     return args
