@@ -3,7 +3,8 @@
 `ep_moe` runs on every rank of an EP group of D ranks, each with its own tokens and the experts
 the placement gives it:
 
-  1. plan on the device (`occult.ep.plan.count_plan`): send order, rows, per-device counts;
+  1. plan on the device (`occult.ep.plan.count_dedup_plan`, sort-free; `count_plan` for
+     per_expert): rows in send order, per-device counts;
   2. exchange the counts (one small all-to-all) and read send + receive split sizes in the
      layer's ONE host sync; finish the plan (BRIM_0, packed-row slots) without further syncs;
   3. dispatch: ONE all-to-all of packed rows (hidden vector + each pair's local expert id and
@@ -38,7 +39,9 @@ from occult.ep.plan import (
     DispatchPlan,
     build_pairs_from_slots,
     check_placement,
+    count_dedup_plan,
     count_plan,
+    finish_dedup_plan,
     finish_plan,
     local_expert_ids,
     static_plan,
@@ -359,13 +362,17 @@ def dispatch_to_experts(
 ) -> Received:
     """Plan, exchange counts (exact plans: the one host sync), send the packed rows, build BRIM_1."""
     if static_capacity is None:
-        counts = count_plan(ids_TK, tables.placement_E, world, tables.local_id_E, mode)
+        if mode == "dedup":     # sort-free: the same rows as count_plan's, in fewer launches
+            counts = count_dedup_plan(ids_TK, tables.placement_E, world, tables.local_id_E)
+        else:
+            counts = count_plan(ids_TK, tables.placement_E, world, tables.local_id_E, mode)
         recv_counts_D3 = _all_to_all(counts.counts_D3, [1] * world, [1] * world, group)
         # The one host sync: send and receive split sizes (and every rank's most pairs per row).
         send_rows, send_pairs, _, recv_rows, recv_pairs, most_pairs = (
             torch.cat([counts.counts_D3, recv_counts_D3], 1).t().tolist()
         )
-        plan = finish_plan(counts, send_rows, send_pairs, max(max(most_pairs, default=1), 1))
+        finish = finish_dedup_plan if mode == "dedup" else finish_plan
+        plan = finish(counts, send_rows, send_pairs, max(max(most_pairs, default=1), 1))
         num_recv_pairs: int | None = sum(recv_pairs)
     else:
         if mode != "dedup":

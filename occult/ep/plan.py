@@ -38,13 +38,18 @@ filled (the empty slots sort last, past `expert_offsets[-1]`).
 Host synchronisation: `count_plan` and `finish_plan` make none; `build_plan` = both plus exactly
 one `.tolist()` of the per-device row and pair counts (the all-to-all split sizes). The layer
 instead exchanges the counts on the device first and reads send and receive counts in one sync.
-`build_pairs` and `build_pairs_from_slots` make none. Per-device counts come from binary searches
+`build_pairs` and `build_pairs_from_slots` make none. The layer's exact dedup path uses
+`count_dedup_plan` + `finish_dedup_plan` instead: the same rows, counts and packed bytes without
+sorting the pairs (a [T, D] hit matrix and its cumulative sum number the rows; a [T, k, k]
+comparison gives each pair's slot), in about 30 launches instead of about 40 plus two radix sorts;
+its pair fields are in (token, slot) order. Per-device counts of `count_plan` come from binary searches
 over the device-sorted pairs (no `index_add_`: its atomics on D bins serialise), and sort keys are
 narrowed to int16 where they fit (fewer radix passes).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -246,6 +251,99 @@ def finish_plan(
         pairs_per_device=pairs_per_device,
         pair_row_P=row_P,
         pair_rank_P=counts.rank_P,
+        slots=max(slots, 1),
+    )
+
+
+@dataclass(frozen=True)
+class DedupCounts:
+    """The device half of the layer's exact dedup plan (`count_dedup_plan`; no sort, no sync).
+
+    Pairs stay in (token, slot) order: pair p = t*k + j. Row numbers follow the send order
+    (destination device, then token), as in `build_plan`.
+    """
+
+    num_devices: int
+    dev_TK: torch.Tensor             # int64 [T, k] destination device of each pair
+    code_TK: torch.Tensor            # int64 [T, k] local expert id at the destination
+    rank_TK: torch.Tensor            # int64 [T, k] slot of the pair within its (token, device) row
+    hit_TD: torch.Tensor             # bool [T, D] token t sends a row to device d
+    counts_D3: torch.Tensor          # int64 [D, 3] as `PlanCounts.counts_D3`
+    devices_per_token_T: torch.Tensor  # int64 [T] C_T
+
+
+@functools.lru_cache(maxsize=32)
+def _earlier_slots(top_k: int, device: torch.device) -> torch.Tensor:
+    """bool [k, k]: entry (j, j') is True when slot j' comes before slot j (built once per k, device)."""
+    return torch.ones(top_k, top_k, dtype=torch.bool, device=device).tril(-1)
+
+
+def count_dedup_plan(
+    ids_TK: torch.Tensor,
+    device_of_expert_E: torch.Tensor,
+    num_devices: int,
+    local_id_of_expert_E: torch.Tensor,
+) -> DedupCounts:
+    """The dedup plan's device half in ≈12 elementwise/scan ops (`count_plan` sorts the T·k pairs
+    by device instead: ≈35 ops, two of them radix sorts). Same rows and counts as `count_plan`."""
+    if ids_TK.dim() != 2:
+        raise ValueError(f"ids_TK: expected [T, k], got shape {tuple(ids_TK.shape)}")
+    device = ids_TK.device
+    num_tokens, top_k = ids_TK.shape
+    ids = ids_TK.long()
+    dev_TK = device_of_expert_E.to(device=device, dtype=torch.long)[ids]
+    pairs_TD = torch.zeros(num_tokens, num_devices, dtype=torch.long, device=device)
+    pairs_TD.scatter_add_(1, dev_TK, torch.ones_like(dev_TK))        # integer adds: exact
+    hit_TD = pairs_TD > 0
+    # Slot of pair (t, j) in its row: the token's earlier pairs on the same device.
+    rank_TK = ((dev_TK[:, :, None] == dev_TK[:, None, :]) & _earlier_slots(top_k, device)).sum(2)
+    most_pairs = pairs_TD.max() if pairs_TD.numel() else pairs_TD.new_zeros(())
+    counts_D3 = torch.stack([hit_TD.sum(0), pairs_TD.sum(0), most_pairs.expand(num_devices)], dim=1)
+    return DedupCounts(
+        num_devices=num_devices,
+        dev_TK=dev_TK,
+        code_TK=local_id_of_expert_E.to(device=device, dtype=torch.long)[ids],
+        rank_TK=rank_TK,
+        hit_TD=hit_TD,
+        counts_D3=counts_D3,
+        devices_per_token_T=hit_TD.sum(1),
+    )
+
+
+def finish_dedup_plan(
+    counts: DedupCounts, rows_per_device: list[int], pairs_per_device: list[int], slots: int
+) -> DispatchPlan:
+    """The host half of the layer's dedup plan, given the counts read back (no further sync).
+
+    Row of (t, d) = first row of device d + number of earlier tokens with a row for d. The plan's
+    pair fields are in (token, slot) order (`pair_slot_P` = arange), not in send order: consumers
+    index rows and slots through `pair_row_P` / `pair_rank_P`.
+    """
+    hit_TD = counts.hit_TD
+    num_tokens, num_devices = hit_TD.shape
+    device = hit_TD.device
+    num_rows = sum(rows_per_device)
+    rows_D = counts.counts_D3[:, 0]
+    before_TD = hit_TD.cumsum(0) + (rows_D.cumsum(0) - rows_D - 1)   # row index where hit
+    brim0_TD = torch.where(hit_TD, before_TD, -1)
+    # Each row's token: scatter t into its rows; rows of (t, d) without a hit go to a spare slot.
+    token_TD = torch.arange(num_tokens, device=device)[:, None].expand(num_tokens, num_devices)
+    send_token_S = torch.empty(num_rows + 1, dtype=torch.long, device=device).scatter_(
+        0, torch.where(hit_TD, before_TD, num_rows).reshape(-1), token_TD.reshape(-1)
+    )[:num_rows]
+    rank_TK = counts.rank_TK
+    return DispatchPlan(
+        mode="dedup",
+        num_devices=num_devices,
+        send_token_S=send_token_S,
+        pair_code_P=(2 * counts.code_TK + (rank_TK == 0)).to(torch.int32).reshape(-1),
+        pair_slot_P=torch.arange(rank_TK.numel(), device=device),
+        brim0_TJ=brim0_TD,
+        devices_per_token_T=counts.devices_per_token_T,
+        rows_per_device=rows_per_device,
+        pairs_per_device=pairs_per_device,
+        pair_row_P=brim0_TD.gather(1, counts.dev_TK).reshape(-1),
+        pair_rank_P=rank_TK.reshape(-1),
         slots=max(slots, 1),
     )
 

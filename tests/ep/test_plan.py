@@ -258,3 +258,37 @@ def test_static_plan_rejects_a_capacity_below_the_tokens():
     placement = contiguous_placement(4, 2)
     with pytest.raises(ValueError, match="static_capacity"):
         static_plan(torch.zeros(5, 2, dtype=torch.long), placement, 2, local_expert_ids(placement, 2), 4, 2)
+
+
+@pytest.mark.parametrize("kind,T,E,K,D", CASES + [("random", 64, 64, 8, 8), ("random", 9, 6, 2, 1)])
+def test_sort_free_dedup_plan_sends_what_build_plan_sends(kind, T, E, K, D):
+    """The layer's dedup plan (`count_dedup_plan` + `finish_dedup_plan`, no sort) numbers the rows,
+    counts and packs exactly as the pair-stream plan does; only its pair order differs."""
+    from occult.ep.layer import _pack_rows
+    from occult.ep.plan import count_dedup_plan, finish_dedup_plan
+
+    placement = shuffled_placement(E, D, seed=T + E + 7)
+    local_id = local_expert_ids(placement, D)
+    ids = routing(kind, T, E, K, placement, seed=5)
+    want = build_plan(ids, placement, D, local_id, "dedup")
+    counts = count_dedup_plan(ids, placement, D, local_id)
+    rows, pairs, most = counts.counts_D3.t().tolist()
+    assert rows == want.rows_per_device and pairs == want.pairs_per_device
+    assert all(m == (max(want.pair_rank_P.tolist(), default=-1) + 1) for m in most)
+    got = finish_dedup_plan(counts, rows, pairs, max(max(most, default=1), 1))
+    assert torch.equal(got.send_token_S, want.send_token_S)
+    assert torch.equal(got.brim0_TJ, want.brim0_TJ)
+    assert torch.equal(got.devices_per_token_T, want.devices_per_token_T)
+    assert got.slots == want.slots
+    # pair p = t*k + j: its row, slot and code agree with the pair-stream plan's entry for (t, j)
+    assert torch.equal(got.pair_slot_P, torch.arange(T * K))
+    order = torch.argsort(want.pair_slot_P)
+    assert torch.equal(got.pair_row_P, want.pair_row_P[order])
+    assert torch.equal(got.pair_rank_P, want.pair_rank_P[order])
+    assert torch.equal(got.pair_code_P, want.pair_code_P[order])
+    # so the packed rows on the wire are byte for byte the same
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(T, 24, generator=gen, dtype=torch.float16)
+    gates = torch.rand(T, K, generator=gen)
+    assert torch.equal(_pack_rows(x, gates.reshape(-1)[got.pair_slot_P], got),
+                       _pack_rows(x, gates.reshape(-1)[want.pair_slot_P], want))
