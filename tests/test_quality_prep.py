@@ -185,16 +185,23 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path):
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert pack.returncode == 0, pack.stderr[-3000:]
     packed = json.loads((tmp_path / "carry" / "manifest.json").read_text())
-    assert {"config.yaml", "data.tar.xz", "COMMIT"} <= set(packed["files"])
+    assert {"config.yaml", "data.tar.xz", "COMMIT", "TREE.sha256"} <= set(packed["files"])
     # the GPU side starts from the pack alone: a fresh work root
     env["WORK_ROOT"] = str(tmp_path / "gpu-work")
     for phase in ("pretrain", "variants", "evaluate"):
         run = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", phase], cwd=REPO, env=env,
                              capture_output=True, text=True, timeout=400)
         assert run.returncode == 0, f"{phase}: {run.stdout[-3000:]}"
+        assert "code tree: matches" in run.stdout
+    # a tree that is not the packed one is named in the log and in the commit the results carry
+    tree = tmp_path / "carry" / "TREE.sha256"
+    lines = tree.read_text().splitlines()
+    lines[0] = "0" * 64 + lines[0][64:]
+    tree.write_text("\n".join(lines) + "\n")
     again = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", "variants"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=200)
     assert again.returncode == 0 and "finetune micro" not in again.stdout and "arms:" not in again.stdout
+    assert "code tree: DIFFERS" in again.stdout and lines[0][66:] in again.stdout
     with tarfile.open(tmp_path / "out" / "quality_results.tar.gz") as tar:
         names = set(tar.getnames())
     arms = quality_arms(load_config(tmp_path / "carry" / "config.yaml"))

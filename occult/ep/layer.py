@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 from occult.ep.plan import (
-    META_BYTES_PER_PAIR,
     MODES,
     DispatchPlan,
     build_pairs_from_slots,
@@ -44,6 +43,7 @@ from occult.ep.plan import (
     finish_dedup_plan,
     finish_plan,
     local_expert_ids,
+    packed_row_layout,
     static_plan,
     static_slots,
 )
@@ -61,6 +61,10 @@ class ExpertBackend:
     grouped_down_reduce: Callable[..., torch.Tensor]
     combine: Callable[..., torch.Tensor]
     takes_row_table: bool = False    # the grouped ops accept `row_pairs_RK=` (reduce without a sort)
+    # The exact dedup plan and packed send buffer on the device in two launches (`dedup_count`
+    # before the host sync, `dedup_plan_pack` after it); None: the plain-torch plan and pack.
+    dedup_count: Callable[..., object] | None = None
+    dedup_plan_pack: Callable[..., object] | None = None
 
 
 def _resolve_kernel(name: str) -> Callable[..., torch.Tensor]:
@@ -89,7 +93,10 @@ def get_backend(name: str) -> ExpertBackend:
                 f"backend='triton' needs occult.kernels.{{{', '.join(KERNEL_NAMES)}}} "
                 f"(the folder kernels/), which could not be loaded: {err}"
             ) from err
-        return ExpertBackend("triton", *ops, takes_row_table=True)
+        from occult.kernels.dispatch_plan import dedup_plan_count, dedup_plan_pack
+
+        return ExpertBackend("triton", *ops, takes_row_table=True,
+                             dedup_count=dedup_plan_count, dedup_plan_pack=dedup_plan_pack)
     raise ValueError(f"backend: {name!r} is not one of {BACKENDS}")
 
 
@@ -191,15 +198,7 @@ def placement_tables(
     return _placement_tables(tuple(int(v) for v in values), world, rank, torch.device(device))
 
 
-ROW_ALIGN_BYTES = 64   # packed rows start 64-byte aligned: the kernels' row loads stay 16-byte vectors
-
-
-def _row_layout(hidden: int, dtype: torch.dtype, slots: int) -> tuple[int, int]:
-    """(bytes of the hidden part, padded to 4; bytes of a packed row, padded to ROW_ALIGN_BYTES)."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    hidden_bytes = -(-hidden * elem // 4) * 4
-    row_bytes = hidden_bytes + META_BYTES_PER_PAIR * slots
-    return hidden_bytes, -(-row_bytes // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
+_row_layout = packed_row_layout
 
 
 def _pack_rows(x_TD: torch.Tensor, gate_P: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
@@ -241,9 +240,11 @@ class _Dispatch(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_TD, weights_TK, plan: DispatchPlan, recv_rows: list[int], group, combine):  # type: ignore[override]
-        gate_P = weights_TK.reshape(-1)[plan.pair_slot_P]
-        buf = _pack_rows(x_TD, gate_P, plan)
+    def forward(ctx, x_TD, weights_TK, plan: DispatchPlan, recv_rows: list[int], group, combine,  # type: ignore[override]
+                packed: torch.Tensor | None = None):
+        if packed is None:       # else the rows were packed on the device with the plan
+            packed = _pack_rows(x_TD, weights_TK.reshape(-1)[plan.pair_slot_P], plan)
+        buf = packed
         recv = _all_to_all(buf, recv_rows, plan.rows_per_device, group)
         x_RD, code_RK, gate_RK = _unpack_rows(recv, x_TD.shape[1], x_TD.dtype, plan.slots)
         ctx.plan, ctx.recv_rows, ctx.group, ctx.combine = plan, recv_rows, group, combine
@@ -266,7 +267,7 @@ class _Dispatch(torch.autograd.Function):
             flat = dgate_P.new_zeros(plan.pair_slot_P.numel())
             flat[plan.pair_slot_P] = dgate_P
             dweights_TK = flat.view(ctx.w_shape).to(ctx.w_dtype)
-        return dx_TD, dweights_TK, None, None, None, None
+        return dx_TD, dweights_TK, None, None, None, None, None
 
 
 def ep_moe(
@@ -361,8 +362,12 @@ def dispatch_to_experts(
     rank: int,
 ) -> Received:
     """Plan, exchange counts (exact plans: the one host sync), send the packed rows, build BRIM_1."""
+    packed = None
     if static_capacity is None:
-        if mode == "dedup":     # sort-free: the same rows as count_plan's, in fewer launches
+        fused = mode == "dedup" and ops.dedup_count is not None and ops.dedup_plan_pack is not None
+        if fused:               # two launches on the device (occult.kernels.dispatch_plan)
+            counts = ops.dedup_count(ids_TK, tables.placement_E, world)
+        elif mode == "dedup":   # sort-free: the same rows as count_plan's, in fewer launches
             counts = count_dedup_plan(ids_TK, tables.placement_E, world, tables.local_id_E)
         else:
             counts = count_plan(ids_TK, tables.placement_E, world, tables.local_id_E, mode)
@@ -371,8 +376,21 @@ def dispatch_to_experts(
         send_rows, send_pairs, _, recv_rows, recv_pairs, most_pairs = (
             torch.cat([counts.counts_D3, recv_counts_D3], 1).t().tolist()
         )
-        finish = finish_dedup_plan if mode == "dedup" else finish_plan
-        plan = finish(counts, send_rows, send_pairs, max(max(most_pairs, default=1), 1))
+        slots = max(max(most_pairs, default=1), 1)
+        if fused:
+            fused_plan = ops.dedup_plan_pack(counts, ids_TK, weights_TK.detach(), x_TD.detach(), tables.placement_E,
+                                             tables.local_id_E, sum(send_rows), slots)
+            plan = DispatchPlan(
+                mode="dedup", num_devices=world, send_token_S=fused_plan.send_token_S,
+                pair_code_P=fused_plan.pair_code_P, pair_slot_P=fused_plan.pair_slot_P,
+                brim0_TJ=fused_plan.brim0_TD, devices_per_token_T=fused_plan.devices_per_token_T,
+                rows_per_device=send_rows, pairs_per_device=send_pairs, pair_row_P=fused_plan.pair_row_P,
+                pair_rank_P=fused_plan.pair_rank_P, slots=slots,
+            )
+            packed = fused_plan.buffer
+        else:
+            finish = finish_dedup_plan if mode == "dedup" else finish_plan
+            plan = finish(counts, send_rows, send_pairs, slots)
         num_recv_pairs: int | None = sum(recv_pairs)
     else:
         if mode != "dedup":
@@ -382,7 +400,7 @@ def dispatch_to_experts(
         send_rows = recv_rows = plan.rows_per_device
         num_recv_pairs = None                           # padded: the kernels read the count on the device
 
-    x_RD, code_RK, gate_RK = _Dispatch.apply(x_TD, weights_TK, plan, recv_rows, group, ops.combine)
+    x_RD, code_RK, gate_RK = _Dispatch.apply(x_TD, weights_TK, plan, recv_rows, group, ops.combine, packed)
     pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = build_pairs_from_slots(
         code_RK, num_recv_pairs, tables.experts_here
     )

@@ -56,6 +56,15 @@ import torch
 
 MODES = ("dedup", "per_expert")
 META_BYTES_PER_PAIR = 8  # int32 code + fp32 gate
+ROW_ALIGN_BYTES = 64     # packed rows start 64-byte aligned: the kernels' row loads stay 16-byte vectors
+
+
+def packed_row_layout(hidden: int, dtype: torch.dtype, slots: int) -> tuple[int, int]:
+    """(bytes of the hidden part, padded to 4; bytes of a packed row, padded to ROW_ALIGN_BYTES)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    hidden_bytes = -(-hidden * elem // 4) * 4
+    row_bytes = hidden_bytes + META_BYTES_PER_PAIR * slots
+    return hidden_bytes, -(-row_bytes // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
 
 
 def check_placement(device_of_expert_E: torch.Tensor, num_devices: int) -> torch.Tensor:

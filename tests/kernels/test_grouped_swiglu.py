@@ -220,7 +220,7 @@ def _compile_every_launch_for_sm90() -> int:
     from occult.kernels import combine, grouped_down_reduce
 
     modules = [importlib.import_module(f"occult.kernels.{name}")
-               for name in ("grouped_swiglu", "grouped_down_reduce", "combine")]
+               for name in ("grouped_swiglu", "grouped_down_reduce", "combine", "dispatch_plan")]
     launches = []
 
     class Recorder:
@@ -256,6 +256,16 @@ def _compile_every_launch_for_sm90() -> int:
         brim = torch.randperm(2 * rows, generator=gen)[: rows].view(-1, 2)
         out = combine(y, brim)
         torch.autograd.grad(out, (x, w1, w2, gate), torch.randn_like(out))
+
+    # the fused dedup plan + pack (kernel launches recorded, not run: the counts are placeholders)
+    plan_module = modules[3]
+    for num_devices, top_k, dtype in ((2, 8, torch.bfloat16), (8, 6, torch.bfloat16), (4, 4, torch.float32)):
+        experts = 8 * num_devices
+        placement = torch.arange(experts) % num_devices
+        ids = torch.randint(0, experts, (300, top_k), generator=gen)
+        counts = plan_module.dedup_plan_count(ids, placement, num_devices)
+        plan_module.dedup_plan_pack(counts, ids, torch.rand(300, top_k), torch.randn(300, 64, dtype=dtype),
+                                    placement, placement // num_devices, 600, top_k)
 
     type_names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                   torch.int64: "i64", torch.int32: "i32"}

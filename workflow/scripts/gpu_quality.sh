@@ -24,6 +24,19 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1
 export OCCULT_COMMIT=$(cat "$CARRY/COMMIT" 2>/dev/null || echo unknown)
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/$PHASE.log") 2>&1
+# The code here must be the code packed: otherwise the results name the commit with "-tree-differs".
+if [ -f "$CARRY/TREE.sha256" ]; then
+    if differs=$(sha256sum --quiet -c "$CARRY/TREE.sha256" 2>&1); then
+        echo "code tree: matches $OCCULT_COMMIT"
+    else
+        export OCCULT_COMMIT="$OCCULT_COMMIT-tree-differs"
+        echo "code tree: DIFFERS from the pack's commit (repack with pack_quality.sh); first differences:"
+        echo "$differs" | head -5
+    fi
+else
+    export OCCULT_COMMIT="$OCCULT_COMMIT-tree-unchecked"
+    echo "code tree: no $CARRY/TREE.sha256 (old pack); results marked tree-unchecked"
+fi
 
 # -- setup: wheels (once per machine), the package on the path, the data unpacked
 if [ -n "$SITE" ] && ls "$CARRY"/wheels/*.whl >/dev/null 2>&1; then

@@ -6,6 +6,7 @@
 #   data.tar.xz       the data stage's output: corpus, tokenizer, instruction pairs, eval sets
 #   wheels/           lm-eval and the packages it needs that the GPU image lacks (Python 3.12)
 #   COMMIT            the commit the results will be attributed to
+#   TREE.sha256       sha256 of every tracked file at that commit (checked where the study runs)
 #   manifest.json     sizes, versions, token counts
 # Usage: workflow/scripts/pack_quality.sh [PRESET] [DEST]
 #   PRESET  default config/presets/mini.yaml; DEST default .carry/quality
@@ -78,6 +79,9 @@ fi
 
 git rev-parse --short=12 HEAD 2>/dev/null | tr -d '\n' > "$DEST/COMMIT" || echo unknown > "$DEST/COMMIT"
 [ -z "$(git status --porcelain --untracked-files=no 2>/dev/null)" ] || echo -n "-dirty" >> "$DEST/COMMIT"
+# The tracked files as they are now: gpu_quality.sh checks the copy it runs on against this list,
+# so results are never attributed to COMMIT when the code that made them differs.
+git ls-files -z | xargs -0 sha256sum > "$DEST/TREE.sha256.tmp" && mv "$DEST/TREE.sha256.tmp" "$DEST/TREE.sha256"
 
 carry_bytes=$(du -sb "$DEST" | cut -f1)
 repo_bytes=$(git ls-files -z | "$PY" -c "import os, sys

@@ -1,0 +1,255 @@
+"""The exact dedup dispatch plan and the packed send buffer in two Triton launches.
+
+Plain-torch reference: `occult.ep.plan.count_dedup_plan` + `finish_dedup_plan` and
+`occult.ep.layer._pack_rows` (≈40 small launches). Same outputs, byte for byte:
+
+  count (before the layer's one host sync)   `dedup_plan_count`
+      per block of BLOCK_T tokens: rows [D] (tokens with a pair on device d), pairs [D], the most
+      pairs of one (token, device); then a cumulative sum over blocks and counts_D3 [D, 3]
+      (rows, pairs, most) — the tensor the layer exchanges and reads back.
+  plan + pack (after it)                     `dedup_plan_pack`
+      row of (t, d) = first row of device d (an exclusive cumsum of the row totals) + rows of d
+      in earlier blocks + earlier tokens of the block with a row for d (an in-block cumsum).
+      Writes BRIM_0 [T, D], the token of each sent row, C_T, the pair fields of the plan in
+      (token, slot) order (row, slot in the row, 2·local expert + starts_row, t·k + j), and the
+      packed rows: hidden vector | `slots` int32 local expert ids (−1 = empty) | `slots` fp32
+      gates | zeros up to the 64-byte row end. The program grid is (token block, hidden chunk);
+      the chunk-0 programs also write the plan and the metadata.
+
+No atomics and no sort: every output element is written by exactly one program, so the result is
+deterministic. Integer ids and placements of any int dtype; x of any float dtype and strides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from occult.ep.plan import packed_row_layout
+
+from .combine import interpreting
+
+MAX_PAIR_TILE = 8192          # BLOCK_T · K_P2 · max(D_P2, K_P2) elements of the 3-D compares
+
+
+@triton.jit
+def _pair_devices(ids_ptr, place_ptr, offs_t, mask_t, K, stride_it, stride_ik, K_P2: tl.constexpr):
+    """(ids [BT, KP] int64, dev [BT, KP] int64 with −1 where masked, mask [BT, KP])."""
+    offs_k = tl.arange(0, K_P2)
+    mask = mask_t[:, None] & (offs_k < K)[None, :]
+    ids = tl.load(ids_ptr + offs_t[:, None] * stride_it + offs_k[None, :] * stride_ik, mask=mask, other=0).to(tl.int64)
+    dev = tl.load(place_ptr + ids, mask=mask, other=-1).to(tl.int64)
+    return ids, dev, mask
+
+
+@triton.jit
+def _plan_count_kernel(
+    ids_ptr, place_ptr, rows_ptr, pairs_ptr, most_ptr,
+    T, K, D, stride_it, stride_ik,
+    BLOCK_T: tl.constexpr, K_P2: tl.constexpr, D_P2: tl.constexpr,
+):
+    block = tl.program_id(0)
+    offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    _, dev, _ = _pair_devices(ids_ptr, place_ptr, offs_t, offs_t < T, K, stride_it, stride_ik, K_P2)
+    offs_d = tl.arange(0, D_P2)
+    pairs_td = tl.sum((dev[:, :, None] == offs_d[None, None, :]).to(tl.int64), axis=1)     # [BT, DP]
+    rows_d = tl.sum((pairs_td > 0).to(tl.int64), axis=0)
+    mask_d = offs_d < D
+    tl.store(rows_ptr + block * D + offs_d, rows_d, mask=mask_d)
+    tl.store(pairs_ptr + block * D + offs_d, tl.sum(pairs_td, axis=0), mask=mask_d)
+    tl.store(most_ptr + block, tl.max(tl.max(pairs_td, axis=1), axis=0))
+
+
+@triton.jit
+def _plan_pack_kernel(
+    ids_ptr, place_ptr, local_ptr, gate_ptr, x_ptr, cum_ptr,
+    brim_ptr, token_ptr, ct_ptr, prow_ptr, prank_ptr, pcode_ptr, pslot_ptr,
+    xbuf_ptr, mbuf_ptr, gbuf_ptr,
+    T, K, D, H, num_blocks, slots, meta_word0, row_words, row_elems,
+    stride_it, stride_ik, stride_gt, stride_gk, stride_xt, stride_xh, stride_bt, stride_bd,
+    BLOCK_T: tl.constexpr, K_P2: tl.constexpr, D_P2: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    block = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs_t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    ids, dev, mask_tk = _pair_devices(ids_ptr, place_ptr, offs_t, mask_t, K, stride_it, stride_ik, K_P2)
+    offs_d = tl.arange(0, D_P2)
+    mask_d = offs_d < D
+    onehot = dev[:, :, None] == offs_d[None, None, :]                                      # [BT, KP, DP]
+    hit = (tl.sum(onehot.to(tl.int64), axis=1) > 0).to(tl.int64)                          # [BT, DP]
+    # Row of (t, d): device d's first row + its rows in earlier blocks + earlier tokens here (one 1-D
+    # scan per device: triton 3.6 miscompiles a 2-D scan of this layout).
+    totals = tl.load(cum_ptr + (num_blocks - 1) * D + offs_d, mask=mask_d, other=0)
+    after_first = (offs_d * 0 + block) > 0                                               # [DP]
+    earlier = tl.load(cum_ptr + (block - 1) * D + offs_d, mask=mask_d & after_first, other=0)
+    base_d = tl.cumsum(totals, axis=0) - totals + earlier                                 # [DP]
+    sent = (hit > 0) & mask_t[:, None] & mask_d[None, :]
+    offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    x = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :] * stride_xh,
+                mask=mask_t[:, None] & mask_h[None, :], other=0.0)
+    row_td = tl.zeros((BLOCK_T, D_P2), dtype=tl.int64)
+    for d in range(D):
+        column = offs_d[None, :] == d
+        hit_d = tl.sum(tl.where(column, hit, 0), axis=1).to(tl.int32)                     # [BT]
+        first = tl.sum(tl.where(offs_d == d, base_d, 0), axis=0)
+        row = first + (tl.cumsum(hit_d, axis=0) - hit_d).to(tl.int64)                    # [BT]
+        row_td = tl.where(column, row[:, None], row_td)
+        # this chunk of the hidden vectors of the tokens with a row for d
+        to_d = (hit_d > 0) & mask_t
+        tl.store(xbuf_ptr + row[:, None] * row_elems + offs_h[None, :], x, mask=to_d[:, None] & mask_h[None, :])
+        if chunk == 0:
+            tl.store(token_ptr + row, offs_t.to(tl.int64), mask=to_d)
+
+    if chunk == 0:
+        tl.store(brim_ptr + offs_t[:, None] * stride_bt + offs_d[None, :] * stride_bd,
+                 tl.where(sent, row_td, -1), mask=mask_t[:, None] & mask_d[None, :])
+        tl.store(ct_ptr + offs_t, tl.sum(tl.where(sent, 1, 0), axis=1).to(tl.int64), mask=mask_t)
+        # Pairs in (token, slot) order: slot in the row = the token's earlier pairs on that device.
+        offs_k = tl.arange(0, K_P2)
+        earlier_k = offs_k[None, None, :] < offs_k[None, :, None]                          # [1, KP, KP]
+        same = (dev[:, :, None] == dev[:, None, :]) & earlier_k & mask_tk[:, None, :]
+        rank = tl.sum(same.to(tl.int64), axis=2)                                           # [BT, KP]
+        pair_row = tl.sum(tl.where(onehot, row_td[:, None, :], 0), axis=2)                 # [BT, KP]
+        local = tl.load(local_ptr + ids, mask=mask_tk, other=0).to(tl.int64)
+        gate = tl.load(gate_ptr + offs_t[:, None] * stride_gt + offs_k[None, :] * stride_gk,
+                       mask=mask_tk, other=0.0).to(tl.float32)
+        flat = offs_t.to(tl.int64)[:, None] * K + offs_k[None, :]
+        tl.store(prow_ptr + flat, pair_row, mask=mask_tk)
+        tl.store(prank_ptr + flat, rank, mask=mask_tk)
+        tl.store(pcode_ptr + flat, (2 * local + (rank == 0).to(tl.int64)).to(tl.int32), mask=mask_tk)
+        tl.store(pslot_ptr + flat, flat, mask=mask_tk)
+        # Metadata of each sent row: slot s holds the pair whose rank is s (−1 / 0.0 when none).
+        meta_row = row_td * row_words + meta_word0
+        for s in range(slots):
+            is_s = onehot & (rank == s)[:, :, None] & mask_tk[:, :, None]
+            has = tl.sum(is_s.to(tl.int32), axis=1) > 0
+            code = tl.sum(tl.where(is_s, local[:, :, None], 0), axis=1)
+            gate_s = tl.sum(tl.where(is_s, gate[:, :, None], 0.0), axis=1)
+            tl.store(mbuf_ptr + meta_row + s, tl.where(has, code, -1).to(tl.int32), mask=sent)
+            tl.store(gbuf_ptr + meta_row + slots + s, gate_s, mask=sent)
+        for word in range(meta_word0 + 2 * slots, row_words):                             # alignment padding
+            tl.store(mbuf_ptr + row_td * row_words + word, tl.zeros_like(row_td).to(tl.int32), mask=sent)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def _pow2(value: int) -> int:
+    return max(2, triton.next_power_of_2(max(value, 1)))
+
+
+def block_tokens(top_k: int, num_devices: int) -> int:
+    """Tokens per program: the [T, k, max(D, k)] compares stay within MAX_PAIR_TILE elements."""
+    per_token = _pow2(top_k) * max(_pow2(num_devices), _pow2(top_k))
+    return max(16, min(128, triton.next_power_of_2(max(MAX_PAIR_TILE // per_token, 1))))
+
+
+@dataclass(frozen=True)
+class FusedCounts:
+    """What `dedup_plan_count` leaves for `dedup_plan_pack` (same role as `DedupCounts`)."""
+
+    counts_D3: torch.Tensor          # int64 [D, 3] rows, pairs, most pairs of a row (every row)
+    cum_rows_BD: torch.Tensor        # int64 [blocks, D] rows per device through each token block
+    block_t: int
+
+
+def _check(ids_TK: torch.Tensor, device_of_expert_E: torch.Tensor, num_devices: int) -> None:
+    if ids_TK.dim() != 2 or ids_TK.is_floating_point():
+        raise ValueError(f"dedup_plan: ids_TK must be an integer [T, k] tensor, got {ids_TK.dtype} {tuple(ids_TK.shape)}")
+    if device_of_expert_E.device != ids_TK.device:
+        raise ValueError(f"dedup_plan: device_of_expert_E is on {device_of_expert_E.device}, ids_TK on {ids_TK.device}")
+    if num_devices < 1:
+        raise ValueError(f"dedup_plan: num_devices must be ≥ 1, got {num_devices}")
+
+
+def dedup_plan_count(ids_TK: torch.Tensor, device_of_expert_E: torch.Tensor, num_devices: int) -> FusedCounts:
+    """Per-device rows and pairs of the exact dedup plan, on the device, no sync (one kernel + 4 ops)."""
+    _check(ids_TK, device_of_expert_E, num_devices)
+    num_tokens, top_k = ids_TK.shape
+    device = ids_TK.device
+    block_t = block_tokens(top_k, num_devices)
+    num_blocks = triton.cdiv(num_tokens, block_t)
+    if num_blocks == 0:
+        zeros = torch.zeros(num_devices, 3, dtype=torch.long, device=device)
+        return FusedCounts(zeros, torch.zeros(0, num_devices, dtype=torch.long, device=device), block_t)
+    rows = torch.empty(num_blocks, num_devices, dtype=torch.long, device=device)
+    pairs = torch.empty_like(rows)
+    most = torch.empty(num_blocks, dtype=torch.long, device=device)
+    _plan_count_kernel[(num_blocks,)](
+        ids_TK, device_of_expert_E, rows, pairs, most, num_tokens, top_k, num_devices, *ids_TK.stride(),
+        BLOCK_T=block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices),
+    )
+    cum_rows = rows.cumsum(0)
+    counts = torch.stack([cum_rows[-1], pairs.sum(0), most.max().expand(num_devices)], dim=1)
+    return FusedCounts(counts, cum_rows, block_t)
+
+
+@dataclass(frozen=True)
+class PackedPlan:
+    """The plan's tensors in the layout of `occult.ep.plan.DispatchPlan` (pairs in token order)."""
+
+    send_token_S: torch.Tensor
+    pair_code_P: torch.Tensor
+    pair_slot_P: torch.Tensor
+    brim0_TD: torch.Tensor
+    devices_per_token_T: torch.Tensor
+    pair_row_P: torch.Tensor
+    pair_rank_P: torch.Tensor
+    buffer: torch.Tensor             # uint8 [S, row bytes]: the packed rows, ready to send
+
+
+def dedup_plan_pack(
+    counts: FusedCounts,
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    x_TD: torch.Tensor,
+    device_of_expert_E: torch.Tensor,
+    local_id_of_expert_E: torch.Tensor,
+    num_rows: int,
+    slots: int,
+) -> PackedPlan:
+    """The plan and the packed send buffer (one kernel), given the row total read on the host and
+    the metadata slots per row every rank agreed on (≥ the most pairs of any row)."""
+    _check(ids_TK, device_of_expert_E, counts.counts_D3.shape[0])
+    num_tokens, top_k = ids_TK.shape
+    num_devices = counts.counts_D3.shape[0]
+    hidden = x_TD.shape[1]
+    device = x_TD.device
+    slots = max(slots, 1)
+    hidden_bytes, row_bytes = packed_row_layout(hidden, x_TD.dtype, slots)
+    buffer = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=device)
+    long = dict(dtype=torch.long, device=device)
+    plan = PackedPlan(
+        send_token_S=torch.empty(num_rows, **long),
+        pair_code_P=torch.empty(num_tokens * top_k, dtype=torch.int32, device=device),
+        pair_slot_P=torch.empty(num_tokens * top_k, **long),
+        brim0_TD=torch.empty(num_tokens, num_devices, **long),
+        devices_per_token_T=torch.empty(num_tokens, **long),
+        pair_row_P=torch.empty(num_tokens * top_k, **long),
+        pair_rank_P=torch.empty(num_tokens * top_k, **long),
+        buffer=buffer,
+    )
+    num_blocks = counts.cum_rows_BD.shape[0]
+    if num_tokens == 0:
+        return plan
+    elem = x_TD.element_size()
+    block_h = 32 if interpreting() else 256
+    chunks = max(triton.cdiv(hidden, block_h), 1)
+    _plan_pack_kernel[(num_blocks, chunks)](
+        ids_TK, device_of_expert_E, local_id_of_expert_E, weights_TK, x_TD, counts.cum_rows_BD,
+        plan.brim0_TD, plan.send_token_S, plan.devices_per_token_T, plan.pair_row_P, plan.pair_rank_P,
+        plan.pair_code_P, plan.pair_slot_P,
+        buffer.view(x_TD.dtype), buffer.view(torch.int32), buffer.view(torch.float32),
+        num_tokens, top_k, num_devices, hidden, num_blocks, slots, hidden_bytes // 4, row_bytes // 4,
+        row_bytes // elem,
+        *ids_TK.stride(), *weights_TK.stride(), *x_TD.stride(), *plan.brim0_TD.stride(),
+        BLOCK_T=counts.block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices), BLOCK_H=block_h,
+    )
+    return plan

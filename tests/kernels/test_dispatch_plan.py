@@ -1,0 +1,120 @@
+"""The fused dedup plan + pack kernels against the plain-torch plan and pack, byte for byte."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from occult.ep.layer import _pack_rows, ep_moe, get_backend
+from occult.ep.plan import count_dedup_plan, finish_dedup_plan, local_expert_ids, packed_row_layout
+from occult.kernels.dispatch_plan import block_tokens, dedup_plan_count, dedup_plan_pack
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ep"))
+from test_plan import CASES, routing, shuffled_placement  # noqa: E402
+
+EXTRA = [("random", 300, 16, 4, 2), ("random", 300, 64, 8, 8), ("hot", 140, 32, 6, 4), ("random", 9, 6, 2, 1)]
+
+
+def torch_plan(ids, placement, num_devices, x, weights):
+    local_id = local_expert_ids(placement, num_devices)
+    counts = count_dedup_plan(ids, placement, num_devices, local_id)
+    rows, pairs, most = counts.counts_D3.t().tolist()
+    slots = max(max(most, default=1), 1)
+    plan = finish_dedup_plan(counts, rows, pairs, slots)
+    return counts, plan, _pack_rows(x, weights.reshape(-1)[plan.pair_slot_P], plan), slots
+
+
+@pytest.mark.parametrize("kind,T,E,K,D", CASES + EXTRA)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_fused_plan_and_pack_equal_the_torch_plan_and_pack(kind, T, E, K, D, dtype):
+    placement = shuffled_placement(E, D, seed=T + E + 3)
+    ids = routing(kind, T, E, K, placement, seed=11)
+    gen = torch.Generator().manual_seed(T + K)
+    x = torch.randn(T, 40, generator=gen).to(dtype)
+    weights = torch.rand(T, K, generator=gen)
+    counts, want, want_buf, slots = torch_plan(ids, placement, D, x, weights)
+
+    fused = dedup_plan_count(ids, placement, D)
+    assert torch.equal(fused.counts_D3, counts.counts_D3)
+    got = dedup_plan_pack(fused, ids, weights, x, placement, local_expert_ids(placement, D),
+                          want.num_rows, slots)
+    assert torch.equal(got.brim0_TD, want.brim0_TJ)
+    for name in ("send_token_S", "pair_code_P", "pair_slot_P", "devices_per_token_T", "pair_row_P", "pair_rank_P"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.buffer, want_buf)
+
+
+def test_several_token_blocks_int32_ids_strided_x_odd_hidden_and_bf16_gates():
+    num_devices, num_experts, top_k, tokens = 4, 16, 4, 3 * block_tokens(4, 4) + 5
+    placement = shuffled_placement(num_experts, num_devices, seed=2)
+    ids = routing("random", tokens, num_experts, top_k, placement, seed=4)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, 2 * 33, generator=gen).half()[:, ::2]          # hidden 33: 2 bytes of padding
+    weights = torch.rand(tokens, top_k, generator=gen).bfloat16()
+    _, want, want_buf, slots = torch_plan(ids, placement, num_devices, x, weights)
+    fused = dedup_plan_count(ids.int(), placement, num_devices)
+    got = dedup_plan_pack(fused, ids.int(), weights, x, placement, local_expert_ids(placement, num_devices),
+                          want.num_rows, slots)
+    hidden_bytes, _ = packed_row_layout(33, torch.float16, slots)
+    assert fused.cum_rows_BD.shape[0] == 4
+    assert torch.equal(got.brim0_TD, want.brim0_TJ) and torch.equal(got.pair_row_P, want.pair_row_P)
+    assert torch.equal(got.buffer[:, : 33 * 2], want_buf[:, : 33 * 2])            # the pad bytes are unset in both
+    assert torch.equal(got.buffer[:, hidden_bytes:], want_buf[:, hidden_bytes:])
+
+
+def test_a_wider_slot_count_than_the_local_most_is_padded():
+    """Every rank packs with the largest `slots` of the group: extra slots are empty (−1, 0.0)."""
+    placement = shuffled_placement(8, 2, seed=1)
+    ids = routing("random", 20, 8, 2, placement, seed=3)
+    x, weights = torch.randn(20, 16), torch.rand(20, 2)
+    counts, _, _, slots = torch_plan(ids, placement, 2, x, weights)
+    rows, pairs, _ = counts.counts_D3.t().tolist()
+    want = finish_dedup_plan(counts, rows, pairs, slots + 3)
+    got = dedup_plan_pack(dedup_plan_count(ids, placement, 2), ids, weights, x, placement,
+                          local_expert_ids(placement, 2), sum(rows), slots + 3)
+    assert torch.equal(got.buffer, _pack_rows(x, weights.reshape(-1)[want.pair_slot_P], want))
+
+
+def test_bad_ids_name_the_field():
+    placement = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="ids_TK"):
+        dedup_plan_count(torch.zeros(3, 2), placement, 2)
+    with pytest.raises(ValueError, match="ids_TK"):
+        dedup_plan_count(torch.zeros(6, dtype=torch.long), placement, 2)
+
+
+def test_the_layer_uses_the_fused_plan_with_the_triton_backend(monkeypatch):
+    """One device: the Triton backend's dedup path runs the fused kernels and matches the torch
+    backend (which packs with the plain-torch plan), forward and gradients."""
+    layer = importlib.import_module("occult.ep.layer")
+    triton_ops = get_backend("triton")
+    calls = []
+
+    def spy(fn, name):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    spied = layer.ExpertBackend(**{**triton_ops.__dict__, "dedup_count": spy(triton_ops.dedup_count, "count"),
+                                   "dedup_plan_pack": spy(triton_ops.dedup_plan_pack, "pack")})
+    gen = torch.Generator().manual_seed(5)
+    tokens, hidden, ffn, experts, top_k = 11, 16, 8, 4, 2
+    placement = torch.zeros(experts, dtype=torch.long)
+    ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
+    outs = []
+    for backend in (spied, "torch"):
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        w_gate_up = (torch.randn(experts, 2 * ffn, hidden, generator=torch.Generator().manual_seed(3)) * 0.2).requires_grad_()
+        w_down = (torch.randn(experts, hidden, ffn, generator=torch.Generator().manual_seed(4)) * 0.2).requires_grad_()
+        y = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend=backend)
+        grads = torch.autograd.grad(y, (x, weights, w_gate_up, w_down), torch.ones_like(y))
+        outs.append((y, *grads))
+    assert calls == ["count", "pack"]
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
