@@ -240,7 +240,8 @@ def dedup_plan_pack(
     if num_tokens == 0:
         return plan
     elem = x_TD.element_size()
-    block_h = 32 if interpreting() else 256
+    # 128 hidden columns × up to 128 tokens in 8 warps: 64 x elements a thread, no spill
+    block_h = 32 if interpreting() else 128
     chunks = max(triton.cdiv(hidden, block_h), 1)
     _plan_pack_kernel[(num_blocks, chunks)](
         ids_TK, device_of_expert_E, local_id_of_expert_E, weights_TK, x_TD, counts.cum_rows_BD,
@@ -250,6 +251,6 @@ def dedup_plan_pack(
         num_tokens, top_k, num_devices, hidden, num_blocks, slots, hidden_bytes // 4, row_bytes // 4,
         row_bytes // elem,
         *ids_TK.stride(), *weights_TK.stride(), *x_TD.stride(), *plan.brim0_TD.stride(),
-        BLOCK_T=counts.block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices), BLOCK_H=block_h,
+        BLOCK_T=counts.block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices), BLOCK_H=block_h, num_warps=8,
     )
     return plan
