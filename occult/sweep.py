@@ -30,7 +30,9 @@ output (and, for `train`, dL/dx) on a small batch against `occult.kernels.refere
 (max relative error over ranks; above the dtype's tolerance the method is `failed` and not timed).
 Per size: `--input-sets` input sets are generated and rotated over `warmup + repeats` steps; each
 step is timed with CUDA events (perf_counter on CPU) after a barrier; the per-step time is the max
-over ranks; the row gets its median, p10 and p90. Peak memory = max over ranks of
+over ranks; the row gets its median, p10 and p90, and `host_ms`, the median host time until the
+step's call returns (a sync inside the call included, GPU work still queued excluded: a layer is
+host-bound where host_ms is close to median_ms). Peak memory = max over ranks of
 `torch.cuda.max_memory_allocated` during the timed loop. Bytes sent per rank come from each
 method's own accounting (rows, metadata, padding). A method that raises gets `status="error: ..."`
 (traceback on stderr) and the sweep goes on; one whose library is missing gets
@@ -95,7 +97,7 @@ REF_CHUNK_TOKENS = 16
 COLUMNS = (
     "machine", "commit", "command", "kind", "shape", "method", "D", "tokens_per_gpu", "batch", "seq_len",
     "dtype", "median_ms", "p10_ms", "p90_ms", "peak_mem_gib", "bytes_sent", "mean_devices_per_token",
-    "max_rel_err", "status", "routing", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms",
+    "max_rel_err", "status", "routing", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms", "host_ms",
     "repeats", "warmup", "timer", "num_experts", "top_k", "hidden", "ffn",
     "shared_ffn", *(f"version_{name.replace('-', '_')}" for name in VERSION_PACKAGES),
 )
@@ -573,9 +575,12 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: torch.device,
-               world: int) -> list[float]:
-    """Milliseconds of each timed step (after `warmup`), max over ranks."""
+               world: int, host_times: list[float] | None = None) -> list[float]:
+    """Milliseconds of each timed step (after `warmup`), max over ranks. If `host_times` is given,
+    it receives each timed step's host milliseconds: from the call until it returns, so a sync
+    inside the call counts, the GPU work still queued at its return does not (max over ranks)."""
     times: list[float] = []
+    hosts: list[float] = []
     for i in range(warmup + steps):
         synchronize(device)
         if world > 1:
@@ -583,20 +588,25 @@ def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: tor
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            begin = time.perf_counter()
             step(i)
+            host = 1e3 * (time.perf_counter() - begin)
             end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end)
         else:
             begin = time.perf_counter()
             step(i)
-            elapsed = 1e3 * (time.perf_counter() - begin)
+            elapsed = host = 1e3 * (time.perf_counter() - begin)
         if i >= warmup:
             times.append(elapsed)
-    values = torch.tensor(times, dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+            hosts.append(host)
+    values = torch.tensor([times, hosts], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     if world > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return values.tolist()
+    if host_times is not None:
+        host_times.extend(values[1].tolist())
+    return values[0].tolist()
 
 
 def phase_medians(events: list[tuple[torch.cuda.Event, ...]], device: torch.device, world: int) -> dict[str, float]:
@@ -883,8 +893,10 @@ def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method
         if device.type == "cuda":
             synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        times = time_steps(step, settings.repeats, settings.warmup, device, world)
-        out.update(median_ms=statistics.median(times), p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9))
+        host_times: list[float] = []
+        times = time_steps(step, settings.repeats, settings.warmup, device, world, host_times)
+        out.update(median_ms=statistics.median(times), p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9),
+                   host_ms=statistics.median(host_times))
         if isinstance(method, OccultEP) and method.phase_events:
             out.update(phase_medians(method.phase_events[settings.warmup:], device, world))
         if device.type == "cuda":

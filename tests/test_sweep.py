@@ -45,6 +45,7 @@ def test_cli_smoke_writes_every_row_with_the_expected_columns(tmp_path, world):
     assert (ran["status"] == "ok").all(), ran[["method", "status"]]
     assert (ran["median_ms"] > 0).all() and (ran["p10_ms"] <= ran["median_ms"]).all()
     assert (ran["median_ms"] <= ran["p90_ms"]).all()
+    assert (ran["host_ms"] > 0).all() and ran["host_ms"].notna().all()      # on CPU host time is the time
     assert (ran["max_rel_err"] < sweep.REL_TOLERANCE["float32"]).all()
     occult = frame[frame["method"] == "occult"]
     assert occult["mean_devices_per_token"].between(1, min(world, 3)).all()
