@@ -254,3 +254,91 @@ def dedup_plan_pack(
         BLOCK_T=counts.block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices), BLOCK_H=block_h, num_warps=8,
     )
     return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# The expert side: BRIM_1 (pairs grouped by local expert) by a counting sort, no sort kernel
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _slot_keys(code_ptr, offs_p, mask_p, slots, num_experts, stride_cr, stride_cs):
+    """Bucket of each flat slot p = r·slots + s: its local expert, or num_experts when empty."""
+    code = tl.load(code_ptr + (offs_p // slots) * stride_cr + (offs_p % slots) * stride_cs, mask=mask_p, other=-1)
+    return tl.where(code >= 0, code, num_experts).to(tl.int64)
+
+
+@triton.jit
+def _group_count_kernel(
+    code_ptr, counts_ptr, num_slots, slots, num_experts, stride_cr, stride_cs,
+    BLOCK_P: tl.constexpr, BUCKETS_P2: tl.constexpr,
+):
+    block = tl.program_id(0)
+    offs_p = block * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < num_slots
+    key = _slot_keys(code_ptr, offs_p, mask_p, slots, num_experts, stride_cr, stride_cs)
+    buckets = tl.arange(0, BUCKETS_P2)
+    hits = (key[:, None] == buckets[None, :]) & mask_p[:, None]
+    tl.store(counts_ptr + block * (num_experts + 1) + buckets, tl.sum(hits.to(tl.int64), axis=0),
+             mask=buckets <= num_experts)
+
+
+@triton.jit
+def _group_place_kernel(
+    code_ptr, cum_ptr, start_ptr, flat_ptr, row_ptr, pos_ptr,
+    num_slots, slots, num_experts, num_kept, stride_cr, stride_cs,
+    BLOCK_P: tl.constexpr, BUCKETS_P2: tl.constexpr,
+):
+    block = tl.program_id(0)
+    offs_p = block * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < num_slots
+    key = _slot_keys(code_ptr, offs_p, mask_p, slots, num_experts, stride_cr, stride_cs)
+    # Position = the bucket's start + its slots in earlier blocks + earlier slots of this block in it
+    # (stable: flat order kept within a bucket). A [BLOCK_P, BLOCK_P] compare, no scan.
+    buckets = tl.arange(0, BUCKETS_P2)
+    in_bucket = buckets <= num_experts
+    after_first = (buckets * 0 + block) > 0
+    before = tl.load(start_ptr + buckets, mask=in_bucket, other=0) + tl.load(
+        cum_ptr + (block - 1) * (num_experts + 1) + buckets, mask=in_bucket & after_first, other=0)
+    base = tl.sum(tl.where(key[:, None] == buckets[None, :], before[None, :], 0), axis=1)
+    lanes = tl.arange(0, BLOCK_P)
+    same_before = (key[:, None] == key[None, :]) & (lanes[None, :] < lanes[:, None]) & mask_p[None, :]
+    pos = base + tl.sum(same_before.to(tl.int64), axis=1)
+    keep = mask_p & (pos < num_kept)
+    flat = offs_p.to(tl.int64)
+    tl.store(flat_ptr + pos, flat, mask=keep)
+    tl.store(row_ptr + pos, flat // slots, mask=keep)
+    tl.store(pos_ptr + flat, tl.where(key < num_experts, pos, -1), mask=mask_p)
+
+
+def group_pairs_by_expert(
+    code_RK: torch.Tensor, num_pairs: int | None, experts_per_rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BRIM_1 from the received rows' slot codes: (pair_flat_M, pair_row_M, expert_offsets,
+    pair_pos_RK), the outputs of `occult.ep.plan.build_pairs_from_slots` (its plain-torch
+    reference), by a counting sort in two launches and three small torch ops instead of a sort."""
+    if code_RK.dim() != 2 or code_RK.is_floating_point():
+        raise ValueError(f"group_pairs_by_expert: code_RK must be an integer [R, K] tensor, got "
+                         f"{code_RK.dtype} {tuple(code_RK.shape)}")
+    device = code_RK.device
+    num_rows, slots = code_RK.shape
+    num_slots = num_rows * slots
+    kept = num_slots if num_pairs is None else num_pairs
+    long = dict(dtype=torch.long, device=device)
+    pair_flat_M = torch.empty(kept, **long)
+    pair_row_M = torch.empty(kept, **long)
+    pair_pos_RK = torch.empty(num_rows, slots, **long)
+    block_p = 16 if interpreting() else 64
+    num_blocks = triton.cdiv(num_slots, block_p)
+    if num_blocks == 0:
+        return pair_flat_M, pair_row_M, torch.zeros(experts_per_rank + 1, **long), pair_pos_RK
+    buckets_p2 = _pow2(experts_per_rank + 1)
+    counts = torch.empty(num_blocks, experts_per_rank + 1, **long)
+    _group_count_kernel[(num_blocks,)](code_RK, counts, num_slots, slots, experts_per_rank, *code_RK.stride(),
+                                       BLOCK_P=block_p, BUCKETS_P2=buckets_p2)
+    cum = counts.cumsum(0)
+    start = cum[-1].cumsum(0) - cum[-1]                        # first position of each bucket
+    _group_place_kernel[(num_blocks,)](code_RK, cum, start, pair_flat_M, pair_row_M, pair_pos_RK, num_slots, slots,
+                                       experts_per_rank, kept, *code_RK.stride(),
+                                       BLOCK_P=block_p, BUCKETS_P2=buckets_p2)
+    return pair_flat_M, pair_row_M, start, pair_pos_RK

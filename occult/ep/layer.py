@@ -65,6 +65,8 @@ class ExpertBackend:
     # before the host sync, `dedup_plan_pack` after it); None: the plain-torch plan and pack.
     dedup_count: Callable[..., object] | None = None
     dedup_plan_pack: Callable[..., object] | None = None
+    # BRIM_1 on the expert side with `build_pairs_from_slots`' signature; None: that function.
+    group_pairs: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
 
 def _resolve_kernel(name: str) -> Callable[..., torch.Tensor]:
@@ -93,10 +95,10 @@ def get_backend(name: str) -> ExpertBackend:
                 f"backend='triton' needs occult.kernels.{{{', '.join(KERNEL_NAMES)}}} "
                 f"(the folder kernels/), which could not be loaded: {err}"
             ) from err
-        from occult.kernels.dispatch_plan import dedup_plan_count, dedup_plan_pack
+        from occult.kernels.dispatch_plan import dedup_plan_count, dedup_plan_pack, group_pairs_by_expert
 
-        return ExpertBackend("triton", *ops, takes_row_table=True,
-                             dedup_count=dedup_plan_count, dedup_plan_pack=dedup_plan_pack)
+        return ExpertBackend("triton", *ops, takes_row_table=True, dedup_count=dedup_plan_count,
+                             dedup_plan_pack=dedup_plan_pack, group_pairs=group_pairs_by_expert)
     raise ValueError(f"backend: {name!r} is not one of {BACKENDS}")
 
 
@@ -401,9 +403,8 @@ def dispatch_to_experts(
         num_recv_pairs = None                           # padded: the kernels read the count on the device
 
     x_RD, code_RK, gate_RK = _Dispatch.apply(x_TD, weights_TK, plan, recv_rows, group, ops.combine, packed)
-    pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = build_pairs_from_slots(
-        code_RK, num_recv_pairs, tables.experts_here
-    )
+    grouper = ops.group_pairs or build_pairs_from_slots
+    pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = grouper(code_RK, num_recv_pairs, tables.experts_here)
     pair_gate_M = gate_RK.reshape(-1)[pair_flat_M]
     return Received(x_RD, pair_row_M, pair_gate_M, expert_offsets, pair_pos_RK, plan, send_rows, recv_rows)
 

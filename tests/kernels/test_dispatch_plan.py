@@ -118,3 +118,63 @@ def test_the_layer_uses_the_fused_plan_with_the_triton_backend(monkeypatch):
     assert calls == ["count", "pack"]
     for got, want in zip(*outs):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# BRIM_1: group_pairs_by_expert against build_pairs_from_slots
+# ----------------------------------------------------------------------------------------------
+
+GROUP_CASES = [  # rows, slots, experts here, fill probability
+    (0, 2, 3, 0.5), (1, 1, 1, 1.0), (7, 3, 4, 0.6), (40, 8, 32, 0.3), (57, 4, 5, 1.0), (33, 2, 64, 0.7), (25, 6, 2, 0.0),
+]
+
+
+def slot_codes(rows, slots, experts, fill, seed):
+    """[R, K] int32 codes as a received buffer holds them: each row's filled slots first, distinct
+    experts within a row, −1 for empty slots."""
+    gen = torch.Generator().manual_seed(seed)
+    code = torch.full((rows, slots), -1, dtype=torch.int32)
+    for r in range(rows):
+        n = min(int((torch.rand(slots, generator=gen) < fill).sum()), experts)
+        code[r, :n] = torch.randperm(experts, generator=gen)[:n].int()
+    return code
+
+
+@pytest.mark.parametrize("rows,slots,experts,fill", GROUP_CASES)
+@pytest.mark.parametrize("padded", [False, True])
+def test_grouping_by_expert_equals_the_sorted_reference(rows, slots, experts, fill, padded):
+    from occult.ep.plan import build_pairs_from_slots
+    from occult.kernels.dispatch_plan import group_pairs_by_expert
+
+    code = slot_codes(rows, slots, experts, fill, seed=rows + slots)
+    wide = torch.full((rows, slots + 5), 7, dtype=torch.int32)                  # a strided view, as received
+    wide[:, :slots] = code
+    view = wide[:, :slots]
+    num_pairs = None if padded else int((code >= 0).sum())
+    want = build_pairs_from_slots(code, num_pairs, experts)
+    got = group_pairs_by_expert(view, num_pairs, experts)
+    for name, g, w in zip(("pair_flat_M", "pair_row_M", "expert_offsets", "pair_pos_RK"), got, want):
+        assert torch.equal(g, w), name
+
+
+def test_the_layer_groups_with_the_kernel(monkeypatch):
+    layer = importlib.import_module("occult.ep.layer")
+    ops = get_backend("triton")
+    calls = []
+
+    def spy(*args):
+        calls.append(args[1])
+        return ops.group_pairs(*args)
+
+    spied = layer.ExpertBackend(**{**ops.__dict__, "group_pairs": spy})
+    gen = torch.Generator().manual_seed(8)
+    x, weights = torch.randn(9, 16, generator=gen), torch.rand(9, 2, generator=gen)
+    ids = torch.rand(9, 4, generator=gen).topk(2, dim=1).indices
+    w_gate_up, w_down = torch.randn(4, 16, 16, generator=gen) * 0.2, torch.randn(4, 16, 8, generator=gen) * 0.2
+    placement = torch.zeros(4, dtype=torch.long)
+    got = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend=spied)
+    static = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend=spied, static_capacity=9)
+    want = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend="torch")
+    assert calls == [18, None]                      # exact: the received pair count; static: padded
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(static, want, atol=1e-4, rtol=1e-4)
