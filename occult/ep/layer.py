@@ -228,9 +228,8 @@ def _unpack_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_RD, code_RK int32, gate_RK fp32): strided views into a packed buffer."""
     hidden_bytes, _ = _row_layout(hidden, dtype, slots)
-    elem = torch.empty(0, dtype=dtype).element_size()
     meta = buf[:, hidden_bytes:].view(torch.int32)
-    return buf[:, : hidden * elem].view(dtype), meta[:, :slots], meta[:, slots : 2 * slots].view(torch.float32)
+    return buf[:, : hidden * dtype.itemsize].view(dtype), meta[:, :slots], meta[:, slots : 2 * slots].view(torch.float32)
 
 
 class _Dispatch(torch.autograd.Function):

@@ -61,8 +61,7 @@ ROW_ALIGN_BYTES = 64     # packed rows start 64-byte aligned: the kernels' row l
 
 def packed_row_layout(hidden: int, dtype: torch.dtype, slots: int) -> tuple[int, int]:
     """(bytes of the hidden part, padded to 4; bytes of a packed row, padded to ROW_ALIGN_BYTES)."""
-    elem = torch.empty(0, dtype=dtype).element_size()
-    hidden_bytes = -(-hidden * elem // 4) * 4
+    hidden_bytes = -(-hidden * dtype.itemsize // 4) * 4
     row_bytes = hidden_bytes + META_BYTES_PER_PAIR * slots
     return hidden_bytes, -(-row_bytes // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
 
