@@ -17,9 +17,12 @@ the placement gives it:
 Backward runs the same indices the other way: the transposed all-to-alls swap dispatch and
 combine (row gradients summed per token by the combine op over BRIM_0), and the gate-weight
 gradient is formed on the expert side (from `pair_gate_M`) and travels back in a small
-all-to-all. Placement tables are memoised per placement value (`placement_tables`). The expert compute and combine are a pluggable
-backend: "torch" (the plain references of `occult.kernels.reference`) or "triton"
-(`occult.kernels.grouped_swiglu`, `grouped_down_reduce`, `combine`, imported on first use).
+all-to-all. Placement tables are memoised per placement value (`placement_tables`). The expert
+compute and combine are a pluggable backend: "torch" (the plain references of
+`occult.kernels.reference`, and the plain-torch plan, pack and BRIM_1 above) or "triton"
+(`occult.kernels.grouped_swiglu`, `grouped_down_reduce`, `combine`, and
+`occult.kernels.dispatch_plan`: steps 1–2's plan with the pack in two launches and BRIM_1 by a
+counting sort; imported on first use).
 """
 
 from __future__ import annotations
