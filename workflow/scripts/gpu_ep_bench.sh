@@ -3,7 +3,8 @@
 # OLMoE layer shape (d=2048, expert ffn 1024, E=64, k=8), bf16, prefill 2^10 … 2^16 tokens per
 # GPU, routing uniform and replayed from a measured trace of our model (widened to 64 experts,
 # `occult.sweep.TraceRouter`); per-phase times (dispatch, expert kernels, combine), wire bytes,
-# pairs per GPU; plus forward+backward at 2^14 tokens and the bf16 matmul peak of the same GPU.
+# pairs per GPU; plus forward+backward at 2^14 tokens, the bf16 matmul peak of the same GPU, and
+# torch.profiler tables with the host syncs of one forward at 2^14 and 64 tokens (occult.ep.profile_gpu).
 # Usage: workflow/scripts/gpu_ep_bench.sh OUTDIR ROUTING_NPZ
 set -uo pipefail
 out=${1:?usage: gpu_ep_bench.sh OUTDIR ROUTING_NPZ}; trace=${2:?routing_heldout.npz of occult.profiling}
@@ -35,4 +36,10 @@ timeout 300 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind train --sha
   --routing uniform --sizes 32 --methods occult occult-pe occult-static occult-graph occult-nd1 occult-compute \
   --repeats 20 --warmup 5 --timeout-s 120 --out "$out/ep_train_uniform_D${gpus}.csv" 2>&1 \
   | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -10
+for tokens in 16384 64; do     # where the host time goes: torch.profiler tables and the host syncs of one forward
+  echo "== profile ${tokens} tokens/GPU D=$gpus ($(date -u +%T))"
+  timeout 180 torchrun --nproc_per_node="$gpus" -m occult.ep.profile_gpu --tokens "$tokens" --repeats 20 \
+    --out "$out/profile_T${tokens}" > "$out/profile_T${tokens}.log" 2>&1
+  grep "host syncs\|forward median" "$out/profile_T${tokens}.log" | head -6
+done
 echo "== ep bench done ($(date -u +%T))"
