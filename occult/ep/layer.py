@@ -247,7 +247,8 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, x_TD, weights_TK, plan: DispatchPlan, recv_rows: list[int], group, combine,  # type: ignore[override]
                 packed: torch.Tensor | None = None):
         if packed is None:       # else the rows were packed on the device with the plan
-            packed = _pack_rows(x_TD, weights_TK.reshape(-1)[plan.pair_slot_P], plan)
+            gate_P = weights_TK.reshape(-1)
+            packed = _pack_rows(x_TD, gate_P if plan.pairs_in_token_order else gate_P[plan.pair_slot_P], plan)
         buf = packed
         recv = _all_to_all(buf, recv_rows, plan.rows_per_device, group)
         x_RD, code_RK, gate_RK = _unpack_rows(recv, x_TD.shape[1], x_TD.dtype, plan.slots)
@@ -268,8 +269,11 @@ class _Dispatch(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dgate_SK = _all_to_all(dgate_RK.float().contiguous(), send_rows, recv_rows, ctx.group)
             dgate_P = dgate_SK[plan.pair_row_P, plan.pair_rank_P]
-            flat = dgate_P.new_zeros(plan.pair_slot_P.numel())
-            flat[plan.pair_slot_P] = dgate_P
+            if plan.pairs_in_token_order:
+                flat = dgate_P
+            else:
+                flat = dgate_P.new_zeros(plan.pair_slot_P.numel())
+                flat[plan.pair_slot_P] = dgate_P
             dweights_TK = flat.view(ctx.w_shape).to(ctx.w_dtype)
         return dx_TD, dweights_TK, None, None, None, None, None
 
@@ -389,7 +393,7 @@ def dispatch_to_experts(
                 pair_code_P=fused_plan.pair_code_P, pair_slot_P=fused_plan.pair_slot_P,
                 brim0_TJ=fused_plan.brim0_TD, devices_per_token_T=fused_plan.devices_per_token_T,
                 rows_per_device=send_rows, pairs_per_device=send_pairs, pair_row_P=fused_plan.pair_row_P,
-                pair_rank_P=fused_plan.pair_rank_P, slots=slots,
+                pair_rank_P=fused_plan.pair_rank_P, slots=slots, pairs_in_token_order=True,
             )
             packed = fused_plan.buffer
         else:

@@ -151,6 +151,7 @@ class DispatchPlan:
     pair_rank_P: torch.Tensor | None = None  # int64 [P] the pair's slot within its row (< slots)
     slots: int = 1                   # metadata slots per packed row (max pairs per row)
     capacity: int | None = None      # static plans: rows per destination (row d*C + t = token t)
+    pairs_in_token_order: bool = False  # pair_slot_P is arange(T*k): pair p is (t, j) = divmod(p, k)
 
     @property
     def num_rows(self) -> int:
@@ -353,6 +354,7 @@ def finish_dedup_plan(
         pair_row_P=brim0_TD.gather(1, counts.dev_TK).reshape(-1),
         pair_rank_P=rank_TK.reshape(-1),
         slots=max(slots, 1),
+        pairs_in_token_order=True,
     )
 
 
@@ -404,6 +406,7 @@ def static_plan(
         pair_rank_P=rank_TK.reshape(-1),
         slots=max(slots, 1),
         capacity=capacity,
+        pairs_in_token_order=True,
     )
 
 

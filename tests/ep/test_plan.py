@@ -292,3 +292,17 @@ def test_sort_free_dedup_plan_sends_what_build_plan_sends(kind, T, E, K, D):
     gates = torch.rand(T, K, generator=gen)
     assert torch.equal(_pack_rows(x, gates.reshape(-1)[got.pair_slot_P], got),
                        _pack_rows(x, gates.reshape(-1)[want.pair_slot_P], want))
+
+
+def test_plans_that_say_token_order_have_it():
+    placement = shuffled_placement(16, 4, seed=0)
+    local_id = local_expert_ids(placement, 4)
+    ids = routing("random", 21, 16, 3, placement, seed=2)
+    from occult.ep.plan import count_dedup_plan, finish_dedup_plan
+
+    counts = count_dedup_plan(ids, placement, 4, local_id)
+    rows, pairs, most = counts.counts_D3.t().tolist()
+    for plan in (finish_dedup_plan(counts, rows, pairs, max(most)),
+                 static_plan(ids, placement, 4, local_id, 21, static_slots(placement, 4, 3))):
+        assert plan.pairs_in_token_order and torch.equal(plan.pair_slot_P, torch.arange(21 * 3))
+    assert not build_plan(ids, placement, 4, local_id, "dedup").pairs_in_token_order
