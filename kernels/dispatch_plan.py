@@ -262,10 +262,13 @@ def dedup_plan_pack(
 
 
 @triton.jit
-def _slot_keys(code_ptr, offs_p, mask_p, slots, num_experts, stride_cr, stride_cs):
-    """Bucket of each flat slot p = r·slots + s: its local expert, or num_experts when empty."""
+def _slot_keys(code_ptr, num_slots, slots, num_experts, stride_cr, stride_cs, BLOCK_P: tl.constexpr):
+    """This program's flat slots p = r·slots + s, their mask and bucket (the local expert, or
+    num_experts when the slot is empty)."""
+    offs_p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < num_slots
     code = tl.load(code_ptr + (offs_p // slots) * stride_cr + (offs_p % slots) * stride_cs, mask=mask_p, other=-1)
-    return tl.where(code >= 0, code, num_experts).to(tl.int64)
+    return offs_p, mask_p, tl.where(code >= 0, code, num_experts).to(tl.int64)
 
 
 @triton.jit
@@ -273,10 +276,8 @@ def _group_count_kernel(
     code_ptr, counts_ptr, num_slots, slots, num_experts, stride_cr, stride_cs,
     BLOCK_P: tl.constexpr, BUCKETS_P2: tl.constexpr,
 ):
+    offs_p, mask_p, key = _slot_keys(code_ptr, num_slots, slots, num_experts, stride_cr, stride_cs, BLOCK_P)
     block = tl.program_id(0)
-    offs_p = block * BLOCK_P + tl.arange(0, BLOCK_P)
-    mask_p = offs_p < num_slots
-    key = _slot_keys(code_ptr, offs_p, mask_p, slots, num_experts, stride_cr, stride_cs)
     buckets = tl.arange(0, BUCKETS_P2)
     hits = (key[:, None] == buckets[None, :]) & mask_p[:, None]
     tl.store(counts_ptr + block * (num_experts + 1) + buckets, tl.sum(hits.to(tl.int64), axis=0),
@@ -289,10 +290,8 @@ def _group_place_kernel(
     num_slots, slots, num_experts, num_kept, stride_cr, stride_cs,
     BLOCK_P: tl.constexpr, BUCKETS_P2: tl.constexpr,
 ):
+    offs_p, mask_p, key = _slot_keys(code_ptr, num_slots, slots, num_experts, stride_cr, stride_cs, BLOCK_P)
     block = tl.program_id(0)
-    offs_p = block * BLOCK_P + tl.arange(0, BLOCK_P)
-    mask_p = offs_p < num_slots
-    key = _slot_keys(code_ptr, offs_p, mask_p, slots, num_experts, stride_cr, stride_cs)
     # Position = the bucket's start + its slots in earlier blocks + earlier slots of this block in it
     # (stable: flat order kept within a bucket). A [BLOCK_P, BLOCK_P] compare, no scan.
     buckets = tl.arange(0, BUCKETS_P2)
