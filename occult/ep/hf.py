@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from occult.ep.layer import BACKENDS, ep_moe, group_size_and_rank
+from occult.ep.layer import BACKENDS, EPStats, ep_moe, group_size_and_rank
 from occult.ep.plan import MODES, check_placement, experts_of_device
 
 IMPLEMENTATION_NAME = "occult_ep"
@@ -42,6 +42,7 @@ class EPExpertsSpec:
     group: dist.ProcessGroup | None
     mode: str
     backend: str
+    stats: EPStats | None = None       # accumulates this layer's traffic, if given
 
 
 def ep_experts_forward(
@@ -67,6 +68,7 @@ def ep_experts_forward(
         group=spec.group,
         mode=spec.mode,
         backend=spec.backend,
+        stats=spec.stats,
     )
 
 
@@ -124,11 +126,14 @@ def use_ep(
     group: dist.ProcessGroup | None = None,
     mode: str = "dedup",
     backend: str = "torch",
+    stats: EPStats | Mapping[int, EPStats] | None = None,
 ) -> nn.Module:
     """Shard `model`'s experts to this rank of `group` and run them through `ep_moe` (in place).
 
     `placements[layer]` is the layer's `device_of_expert_E` (ranks of `group`); every MoE layer
     needs one. Call it on every rank; `group=None` without a process group = one device.
+    `stats` (one `EPStats` for all layers, or one per layer) accumulates the traffic of every
+    forward (rows, pairs and bytes sent, E[C_T]; one more host sync per layer call).
     """
     if mode not in MODES:
         raise ValueError(f"mode: {mode!r} is not one of {MODES}")
@@ -154,6 +159,7 @@ def use_ep(
                 full = getattr(module, name)
                 shard = full[local.to(full.device)].clone()
                 setattr(module, name, nn.Parameter(shard, requires_grad=full.requires_grad))
-        module.occult_ep = EPExpertsSpec(layer, placement, group, mode, backend)
+        layer_stats = stats.get(layer) if isinstance(stats, Mapping) else stats
+        module.occult_ep = EPExpertsSpec(layer, placement, group, mode, backend, layer_stats)
     _select_implementation(model, list(experts_by_layer.values()))
     return model
