@@ -178,3 +178,65 @@ def test_the_layer_groups_with_the_kernel(monkeypatch):
     assert calls == [18, None]                      # exact: the received pair count; static: padded
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(static, want, atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU: the compiled kernels at the OLMoE layer's scale
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_devices", [2, 8])
+def test_fused_plan_pack_and_grouping_equal_torch_on_gpu_at_olmoe_scale(num_devices):
+    from occult.ep.layer import _unpack_rows
+    from occult.ep.plan import build_pairs_from_slots
+    from occult.kernels.dispatch_plan import group_pairs_by_expert
+
+    gen = torch.Generator(device="cuda").manual_seed(num_devices)
+    tokens, experts, top_k, hidden = 16384, 64, 8, 2048
+    placement = shuffled_placement(experts, num_devices, seed=1).cuda()
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+    weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
+    counts, want, want_buf, slots = torch_plan(ids, placement, num_devices, x, weights)
+    fused = dedup_plan_count(ids, placement, num_devices)
+    assert torch.equal(fused.counts_D3, counts.counts_D3)
+    got = dedup_plan_pack(fused, ids, weights, x, placement, local_expert_ids(placement, num_devices),
+                          want.num_rows, slots)
+    assert torch.equal(got.brim0_TD, want.brim0_TJ)
+    for name in ("send_token_S", "pair_code_P", "pair_row_P", "pair_rank_P", "devices_per_token_T"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.buffer, want_buf)
+    # BRIM_1 of the rows device 0 would receive from this rank (a strided view of the buffer)
+    rows0 = want.rows_per_device[0]
+    _, code_RK, _ = _unpack_rows(got.buffer[:rows0], hidden, torch.bfloat16, slots)
+    experts_here = experts // num_devices
+    for num_pairs in (want.pairs_per_device[0], None):
+        for g, w in zip(group_pairs_by_expert(code_RK, num_pairs, experts_here),
+                        build_pairs_from_slots(code_RK, num_pairs, experts_here)):
+            assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("static", [False, True])
+def test_triton_layer_with_fused_plan_matches_fp32_reference_on_gpu(static):
+    from occult.kernels.reference import moe_dense_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    tokens, experts, top_k, hidden, ffn = 4096, 64, 8, 512, 256
+    placement = torch.zeros(experts, dtype=torch.long)
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weights = torch.rand(tokens, top_k, device="cuda", generator=gen).requires_grad_()
+    w_gate_up = (torch.randn(experts, 2 * ffn, hidden, device="cuda", generator=gen) / hidden**0.5).bfloat16().requires_grad_()
+    w_down = (torch.randn(experts, hidden, ffn, device="cuda", generator=gen) / ffn**0.5).bfloat16().requires_grad_()
+    leaves = (x, weights, w_gate_up, w_down)
+    y = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend="triton",
+               static_capacity=tokens if static else None)
+    dy = torch.randn_like(y)
+    grads = torch.autograd.grad(y, leaves, dy)
+    leaves32 = tuple(t.detach().float().requires_grad_() for t in leaves)
+    y_ref = moe_dense_ref(leaves32[0], ids, leaves32[1], leaves32[2], leaves32[3])
+    grads_ref = torch.autograd.grad(y_ref, leaves32, dy.float())
+    for got, want in zip((y, *grads), (y_ref, *grads_ref)):
+        assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
