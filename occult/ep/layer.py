@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import importlib
 import types
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -174,6 +174,14 @@ class PlacementTables:
     local_id_E: torch.Tensor         # int64 [E] index of each expert among its device's experts
     experts_here: int                # experts on this rank
     placement_cpu: torch.Tensor      # int64 [E] the same placement on the host
+    world: int                       # ranks of the group
+    static_slots_by_k: dict[int, int] = field(default_factory=dict, compare=False, hash=False)  # memo
+
+    def static_slots(self, top_k: int) -> int:
+        """`occult.ep.plan.static_slots` of this placement, computed once per k (no host work per call)."""
+        if top_k not in self.static_slots_by_k:
+            self.static_slots_by_k[top_k] = static_slots(self.placement_cpu, self.world, top_k)
+        return self.static_slots_by_k[top_k]
 
 
 @functools.lru_cache(maxsize=64)
@@ -184,6 +192,7 @@ def _placement_tables(values: tuple[int, ...], world: int, rank: int, device: to
         local_id_E=local_expert_ids(placement_cpu, world).to(device),
         experts_here=int((placement_cpu == rank).sum()),
         placement_cpu=placement_cpu,
+        world=world,
     )
 
 
@@ -403,7 +412,7 @@ def dispatch_to_experts(
     else:
         if mode != "dedup":
             raise ValueError(f"static_capacity: needs mode='dedup' (got {mode!r}): per-expert rows have no bound below T*k")
-        slots = static_slots(tables.placement_cpu, world, ids_TK.shape[1])
+        slots = tables.static_slots(ids_TK.shape[1])
         plan = static_plan(ids_TK, tables.placement_E, world, tables.local_id_E, int(static_capacity), slots)
         send_rows = recv_rows = plan.rows_per_device
         num_recv_pairs = None                           # padded: the kernels read the count on the device
