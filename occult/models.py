@@ -130,10 +130,10 @@ def grouped_experts_forward(experts: nn.Module, hidden_states_TD: Tensor, top_k_
     rows_per_expert_E = torch.zeros(num_experts, dtype=torch.int32, device=ids_S.device)
     rows_per_expert_E.index_add_(0, ids_S, torch.ones_like(ids_S, dtype=torch.int32))   # no host sync
     offs_E = torch.cumsum(rows_per_expert_E, 0, dtype=torch.int32)
-    # Each token's row k times, then the permutation: the backward is a sum over the k copies and
-    # a scatter without duplicates (deterministic), where `x[order_S // k]` would accumulate with
-    # index_put_, whose CPU kernel adds in parallel in a thread-dependent order.
-    x_SD = hidden_states_TD.unsqueeze(1).expand(num_tokens, top_k, -1).reshape(num_tokens * top_k, -1)[order_S].to(dtype)
+    # Gather (token, slot) pairs from a k-fold expanded view: its backward scatters without
+    # duplicates and sums the k copies (deterministic), where `x[order_S // k]` would accumulate
+    # with index_put_, whose parallel CPU (and CUDA) kernel adds in a scheduling-dependent order.
+    x_SD = hidden_states_TD.unsqueeze(1).expand(num_tokens, top_k, -1)[order_S // top_k, order_S % top_k].to(dtype)
     gate_up_S2F = grouped_mm(x_SD, experts.gate_up_proj.to(dtype).transpose(-2, -1), offs=offs_E)
     gate_SF, up_SF = gate_up_S2F.chunk(2, dim=-1)
     y_SD = grouped_mm(experts.act_fn(gate_SF) * up_SF, experts.down_proj.to(dtype).transpose(-2, -1), offs=offs_E)
