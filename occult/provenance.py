@@ -24,14 +24,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("torch", "triton", "transformers", "lm_eval", "snakemake", "pandas", "numpy")
 
 
-def git_commit() -> str:
+def git_commit(root: Path = REPO_ROOT) -> str:
+    """Short commit of the checkout at `root`, "-dirty" when tracked code or config differs from it
+    (changes under results/ and figures/ do not count); $OCCULT_COMMIT where git cannot tell."""
     try:
         out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "--short=12", "HEAD"],
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout.strip()
+        # Committed outputs (results/, figures/) are rewritten by the pipeline itself: a change
+        # there does not make the code that produces them dirty.
         dirty = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+             ".", ":(exclude)results", ":(exclude)figures"],
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout.strip()
         return out + ("-dirty" if dirty else "")

@@ -386,3 +386,25 @@ def test_gpu_interconnect_is_read_from_nvidia_smi_topology():
     assert gpu_interconnect(2, topology) == "NV18"
     assert gpu_interconnect(1, topology) == "single GPU"
     assert gpu_interconnect(2, None).startswith("unknown")
+
+
+def test_commit_is_dirty_for_code_changes_not_for_regenerated_results(tmp_path):
+    import subprocess
+
+    from occult.provenance import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "table.csv").write_text("a\n1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    clean = git_commit(tmp_path)
+    assert len(clean) == 12 and not clean.endswith("-dirty")
+    (tmp_path / "results" / "table.csv").write_text("a\n2\n")          # the pipeline rewrote an output
+    assert git_commit(tmp_path) == clean
+    (tmp_path / "code.py").write_text("x = 2\n")                      # the code changed
+    assert git_commit(tmp_path) == clean + "-dirty"
