@@ -28,6 +28,21 @@ def torch_plan(ids, placement, num_devices, x, weights):
     return counts, plan, _pack_rows(x, weights.reshape(-1)[plan.pair_slot_P], plan), slots
 
 
+def check_fused_equals_torch(ids, placement, num_devices, x, weights):
+    """Fused count + plan/pack against the torch plan and pack: every field and every byte.
+    Returns the torch plan, its buffer and the slots, for further checks."""
+    counts, want, want_buf, slots = torch_plan(ids, placement, num_devices, x, weights)
+    fused = dedup_plan_count(ids, placement, num_devices)
+    assert torch.equal(fused.counts_D3, counts.counts_D3)
+    got = dedup_plan_pack(fused, ids, weights, x, placement, local_expert_ids(placement, num_devices),
+                          want.num_rows, slots)
+    assert torch.equal(got.brim0_TD, want.brim0_TJ)
+    for name in ("send_token_S", "pair_code_P", "pair_slot_P", "devices_per_token_T", "pair_row_P", "pair_rank_P"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.buffer, want_buf)
+    return want, got.buffer, slots
+
+
 @pytest.mark.parametrize("kind,T,E,K,D", CASES + EXTRA)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_fused_plan_and_pack_equal_the_torch_plan_and_pack(kind, T, E, K, D, dtype):
@@ -36,16 +51,7 @@ def test_fused_plan_and_pack_equal_the_torch_plan_and_pack(kind, T, E, K, D, dty
     gen = torch.Generator().manual_seed(T + K)
     x = torch.randn(T, 40, generator=gen).to(dtype)
     weights = torch.rand(T, K, generator=gen)
-    counts, want, want_buf, slots = torch_plan(ids, placement, D, x, weights)
-
-    fused = dedup_plan_count(ids, placement, D)
-    assert torch.equal(fused.counts_D3, counts.counts_D3)
-    got = dedup_plan_pack(fused, ids, weights, x, placement, local_expert_ids(placement, D),
-                          want.num_rows, slots)
-    assert torch.equal(got.brim0_TD, want.brim0_TJ)
-    for name in ("send_token_S", "pair_code_P", "pair_slot_P", "devices_per_token_T", "pair_row_P", "pair_rank_P"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert torch.equal(got.buffer, want_buf)
+    check_fused_equals_torch(ids, placement, D, x, weights)
 
 
 def test_several_token_blocks_int32_ids_strided_x_odd_hidden_and_bf16_gates():
@@ -198,18 +204,10 @@ def test_fused_plan_pack_and_grouping_equal_torch_on_gpu_at_olmoe_scale(num_devi
     ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices
     x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
     weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
-    counts, want, want_buf, slots = torch_plan(ids, placement, num_devices, x, weights)
-    fused = dedup_plan_count(ids, placement, num_devices)
-    assert torch.equal(fused.counts_D3, counts.counts_D3)
-    got = dedup_plan_pack(fused, ids, weights, x, placement, local_expert_ids(placement, num_devices),
-                          want.num_rows, slots)
-    assert torch.equal(got.brim0_TD, want.brim0_TJ)
-    for name in ("send_token_S", "pair_code_P", "pair_row_P", "pair_rank_P", "devices_per_token_T"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert torch.equal(got.buffer, want_buf)
+    want, buffer, slots = check_fused_equals_torch(ids, placement, num_devices, x, weights)
     # BRIM_1 of the rows device 0 would receive from this rank (a strided view of the buffer)
     rows0 = want.rows_per_device[0]
-    _, code_RK, _ = _unpack_rows(got.buffer[:rows0], hidden, torch.bfloat16, slots)
+    _, code_RK, _ = _unpack_rows(buffer[:rows0], hidden, torch.bfloat16, slots)
     experts_here = experts // num_devices
     for num_pairs in (want.pairs_per_device[0], None):
         for g, w in zip(group_pairs_by_expert(code_RK, num_pairs, experts_here),
