@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import types
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -85,7 +86,9 @@ def _resolve_kernel(name: str) -> Callable[..., torch.Tensor]:
 
 
 def get_backend(name: str) -> ExpertBackend:
-    """"torch" = plain references through autograd; "triton" = the kernels (never a silent fallback)."""
+    """"torch" = plain references through autograd; "triton" = the kernels (never a silent fallback).
+    With $OCCULT_FUSED_PLAN=0 the Triton backend keeps the plain-torch plan, pack and BRIM_1 (to
+    measure the dispatch-plan kernels against them, or to rule them out)."""
     if name == "torch":
         from occult.kernels.reference import combine_ref, grouped_down_reduce_ref, grouped_swiglu_ref
 
@@ -98,6 +101,8 @@ def get_backend(name: str) -> ExpertBackend:
                 f"backend='triton' needs occult.kernels.{{{', '.join(KERNEL_NAMES)}}} "
                 f"(the folder kernels/), which could not be loaded: {err}"
             ) from err
+        if os.environ.get("OCCULT_FUSED_PLAN", "1") == "0":   # A/B switch: the plain-torch plan and BRIM_1
+            return ExpertBackend("triton", *ops, takes_row_table=True)
         from occult.kernels.dispatch_plan import dedup_plan_count, dedup_plan_pack, group_pairs_by_expert
 
         return ExpertBackend("triton", *ops, takes_row_table=True, dedup_count=dedup_plan_count,

@@ -238,3 +238,12 @@ def test_triton_layer_with_fused_plan_matches_fp32_reference_on_gpu(static):
     grads_ref = torch.autograd.grad(y_ref, leaves32, dy.float())
     for got, want in zip((y, *grads), (y_ref, *grads_ref)):
         assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
+
+
+def test_the_fused_plan_can_be_switched_off_for_a_b_runs(monkeypatch):
+    monkeypatch.setenv("OCCULT_FUSED_PLAN", "0")
+    plain = get_backend("triton")
+    assert plain.dedup_count is None and plain.dedup_plan_pack is None and plain.group_pairs is None
+    monkeypatch.setenv("OCCULT_FUSED_PLAN", "1")
+    fused = get_backend("triton")
+    assert fused.dedup_count is dedup_plan_count and fused.group_pairs is not None

@@ -31,6 +31,10 @@ for routing in uniform trace; do
     --routing "$routing" --trace "$trace" --methods $methods --repeats 20 --warmup 5 --timeout-s 120 \
     --out "$out/ep_prefill_${routing}_D${gpus}.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -14
 done
+echo "== A/B: the same eager methods with the plain-torch plan, pack and BRIM_1 (OCCULT_FUSED_PLAN=0) ($(date -u +%T))"
+OCCULT_FUSED_PLAN=0 timeout 300 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind prefill --shapes olmoe --no-shared \
+  --routing uniform --methods occult occult-pe occult-nd1 --repeats 20 --warmup 5 --timeout-s 120 \
+  --out "$out/ep_prefill_uniform_D${gpus}_torchplan.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -8
 echo "== ep bench train (fwd+bwd, 32 x 512 = 2^14 tokens) D=$gpus ($(date -u +%T))"
 timeout 300 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind train --shapes olmoe --no-shared \
   --routing uniform --sizes 32 --methods occult occult-pe occult-static occult-graph occult-nd1 occult-compute \
