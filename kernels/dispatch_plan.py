@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from occult.ep.plan import packed_row_layout
+from occult.ep.plan import DispatchPlan, packed_row_layout
 
 from .combine import interpreting
 
@@ -191,20 +191,6 @@ def dedup_plan_count(ids_TK: torch.Tensor, device_of_expert_E: torch.Tensor, num
     return FusedCounts(counts, cum_rows, block_t)
 
 
-@dataclass(frozen=True)
-class PackedPlan:
-    """The plan's tensors in the layout of `occult.ep.plan.DispatchPlan` (pairs in token order)."""
-
-    send_token_S: torch.Tensor
-    pair_code_P: torch.Tensor
-    pair_slot_P: torch.Tensor
-    brim0_TD: torch.Tensor
-    devices_per_token_T: torch.Tensor
-    pair_row_P: torch.Tensor
-    pair_rank_P: torch.Tensor
-    buffer: torch.Tensor             # uint8 [S, row bytes]: the packed rows, ready to send
-
-
 def dedup_plan_pack(
     counts: FusedCounts,
     ids_TK: torch.Tensor,
@@ -212,48 +198,55 @@ def dedup_plan_pack(
     x_TD: torch.Tensor,
     device_of_expert_E: torch.Tensor,
     local_id_of_expert_E: torch.Tensor,
-    num_rows: int,
+    rows_per_device: list[int],
+    pairs_per_device: list[int],
     slots: int,
-) -> PackedPlan:
-    """The plan and the packed send buffer (one kernel), given the row total read on the host and
-    the metadata slots per row every rank agreed on (≥ the most pairs of any row)."""
+) -> tuple[DispatchPlan, torch.Tensor]:
+    """(the plan, the packed send buffer uint8 [S, row bytes]) in one kernel, given the split sizes
+    read on the host and the metadata slots per row every rank agreed on (≥ the most pairs of any
+    row). The plan's pair fields are in (token, slot) order."""
     _check(ids_TK, device_of_expert_E, counts.counts_D3.shape[0])
     num_tokens, top_k = ids_TK.shape
     num_devices = counts.counts_D3.shape[0]
+    num_rows = sum(rows_per_device)
     hidden = x_TD.shape[1]
     device = x_TD.device
     slots = max(slots, 1)
     hidden_bytes, row_bytes = packed_row_layout(hidden, x_TD.dtype, slots)
     buffer = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=device)
     long = dict(dtype=torch.long, device=device)
-    plan = PackedPlan(
+    plan = DispatchPlan(
+        mode="dedup",
+        num_devices=num_devices,
         send_token_S=torch.empty(num_rows, **long),
         pair_code_P=torch.empty(num_tokens * top_k, dtype=torch.int32, device=device),
         pair_slot_P=torch.empty(num_tokens * top_k, **long),
-        brim0_TD=torch.empty(num_tokens, num_devices, **long),
+        brim0_TJ=torch.empty(num_tokens, num_devices, **long),
         devices_per_token_T=torch.empty(num_tokens, **long),
+        rows_per_device=rows_per_device,
+        pairs_per_device=pairs_per_device,
         pair_row_P=torch.empty(num_tokens * top_k, **long),
         pair_rank_P=torch.empty(num_tokens * top_k, **long),
-        buffer=buffer,
+        slots=slots,
+        pairs_in_token_order=True,
     )
     num_blocks = counts.cum_rows_BD.shape[0]
     if num_tokens == 0:
-        return plan
-    elem = x_TD.element_size()
+        return plan, buffer
     # 128 hidden columns × up to 128 tokens in 8 warps: 64 x elements a thread, no spill
     block_h = 32 if interpreting() else 128
     chunks = max(triton.cdiv(hidden, block_h), 1)
     _plan_pack_kernel[(num_blocks, chunks)](
         ids_TK, device_of_expert_E, local_id_of_expert_E, weights_TK, x_TD, counts.cum_rows_BD,
-        plan.brim0_TD, plan.send_token_S, plan.devices_per_token_T, plan.pair_row_P, plan.pair_rank_P,
+        plan.brim0_TJ, plan.send_token_S, plan.devices_per_token_T, plan.pair_row_P, plan.pair_rank_P,
         plan.pair_code_P, plan.pair_slot_P,
         buffer.view(x_TD.dtype), buffer.view(torch.int32), buffer.view(torch.float32),
         num_tokens, top_k, num_devices, hidden, num_blocks, slots, hidden_bytes // 4, row_bytes // 4,
-        row_bytes // elem,
-        *ids_TK.stride(), *weights_TK.stride(), *x_TD.stride(), *plan.brim0_TD.stride(),
+        row_bytes // x_TD.element_size(),
+        *ids_TK.stride(), *weights_TK.stride(), *x_TD.stride(), *plan.brim0_TJ.stride(),
         BLOCK_T=counts.block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices), BLOCK_H=block_h, num_warps=8,
     )
-    return plan
+    return plan, buffer
 
 
 # ----------------------------------------------------------------------------------------------

@@ -84,9 +84,9 @@ def test_bench_writes_checked_rows(tmp_path):
     assert (busy.fwd_ms > 0).all() and (busy.fwd_bwd_ms > 0).all()
     # per_expert rows carry one (expert id, gate) slot behind the fp32 hidden vector, padded to
     # the packed-row alignment: hidden 16 × 4 B + 8 B → 128 B per remote row
-    from occult.ep.layer import _row_layout
+    from occult.ep.plan import packed_row_layout
 
-    row_bytes = _row_layout(16, torch.float32, 1)[1]
+    row_bytes = packed_row_layout(16, torch.float32, 1)[1]
     assert row_bytes == 128
     per_expert = frame[frame["mode"] == "per_expert"]
     np.testing.assert_allclose(per_expert.bytes_dispatch_remote_per_rank,

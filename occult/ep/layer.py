@@ -217,14 +217,11 @@ def placement_tables(
     return _placement_tables(tuple(int(v) for v in values), world, rank, torch.device(device))
 
 
-_row_layout = packed_row_layout
-
-
 def _pack_rows(x_TD: torch.Tensor, gate_P: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """uint8 [S, row bytes]: each sent row = its hidden vector, then `slots` int32 local expert
     ids (−1 = empty) and `slots` fp32 gates."""
     hidden, slots = x_TD.shape[1], plan.slots
-    hidden_bytes, row_bytes = _row_layout(hidden, x_TD.dtype, slots)
+    hidden_bytes, row_bytes = packed_row_layout(hidden, x_TD.dtype, slots)
     buf = torch.empty(plan.num_rows, row_bytes, dtype=torch.uint8, device=x_TD.device)
     x_view = buf[:, : hidden * x_TD.element_size()].view(x_TD.dtype)
     if plan.capacity is None:
@@ -244,7 +241,7 @@ def _unpack_rows(
     buf: torch.Tensor, hidden: int, dtype: torch.dtype, slots: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_RD, code_RK int32, gate_RK fp32): strided views into a packed buffer."""
-    hidden_bytes, _ = _row_layout(hidden, dtype, slots)
+    hidden_bytes, _ = packed_row_layout(hidden, dtype, slots)
     meta = buf[:, hidden_bytes:].view(torch.int32)
     return buf[:, : hidden * dtype.itemsize].view(dtype), meta[:, :slots], meta[:, slots : 2 * slots].view(torch.float32)
 
@@ -263,8 +260,7 @@ class _Dispatch(torch.autograd.Function):
         if packed is None:       # else the rows were packed on the device with the plan
             gate_P = weights_TK.reshape(-1)
             packed = _pack_rows(x_TD, gate_P if plan.pairs_in_token_order else gate_P[plan.pair_slot_P], plan)
-        buf = packed
-        recv = _all_to_all(buf, recv_rows, plan.rows_per_device, group)
+        recv = _all_to_all(packed, recv_rows, plan.rows_per_device, group)
         x_RD, code_RK, gate_RK = _unpack_rows(recv, x_TD.shape[1], x_TD.dtype, plan.slots)
         ctx.plan, ctx.recv_rows, ctx.group, ctx.combine = plan, recv_rows, group, combine
         ctx.x_dtype, ctx.w_dtype, ctx.w_shape = x_TD.dtype, weights_TK.dtype, weights_TK.shape
@@ -400,16 +396,8 @@ def dispatch_to_experts(
         )
         slots = max(max(most_pairs, default=1), 1)
         if fused:
-            fused_plan = ops.dedup_plan_pack(counts, ids_TK, weights_TK.detach(), x_TD.detach(), tables.placement_E,
-                                             tables.local_id_E, sum(send_rows), slots)
-            plan = DispatchPlan(
-                mode="dedup", num_devices=world, send_token_S=fused_plan.send_token_S,
-                pair_code_P=fused_plan.pair_code_P, pair_slot_P=fused_plan.pair_slot_P,
-                brim0_TJ=fused_plan.brim0_TD, devices_per_token_T=fused_plan.devices_per_token_T,
-                rows_per_device=send_rows, pairs_per_device=send_pairs, pair_row_P=fused_plan.pair_row_P,
-                pair_rank_P=fused_plan.pair_rank_P, slots=slots, pairs_in_token_order=True,
-            )
-            packed = fused_plan.buffer
+            plan, packed = ops.dedup_plan_pack(counts, ids_TK, weights_TK.detach(), x_TD.detach(), tables.placement_E,
+                                               tables.local_id_E, send_rows, send_pairs, slots)
         else:
             finish = finish_dedup_plan if mode == "dedup" else finish_plan
             plan = finish(counts, send_rows, send_pairs, slots)
@@ -469,7 +457,7 @@ def _check_inputs(
 
 def _record(stats: EPStats, received: Received, rank: int, x_TD: torch.Tensor, z_SD: torch.Tensor) -> None:
     plan, recv_rows = received.plan, received.recv_rows
-    _, row_bytes = _row_layout(x_TD.shape[1], x_TD.dtype, plan.slots)   # packed: hidden + slots
+    _, row_bytes = packed_row_layout(x_TD.shape[1], x_TD.dtype, plan.slots)   # packed: hidden + slots
     back_bytes = x_TD.shape[1] * z_SD.element_size()
     rows, pairs = plan.rows_per_device, plan.pairs_per_device
     if plan.capacity is not None:       # static: every row is on the wire; count the pairs (sync)

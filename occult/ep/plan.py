@@ -272,7 +272,6 @@ class DedupCounts:
     (destination device, then token), as in `build_plan`.
     """
 
-    num_devices: int
     dev_TK: torch.Tensor             # int64 [T, k] destination device of each pair
     code_TK: torch.Tensor            # int64 [T, k] local expert id at the destination
     rank_TK: torch.Tensor            # int64 [T, k] slot of the pair within its (token, device) row
@@ -309,7 +308,6 @@ def count_dedup_plan(
     most_pairs = pairs_TD.max() if pairs_TD.numel() else pairs_TD.new_zeros(())
     counts_D3 = torch.stack([hit_TD.sum(0), pairs_TD.sum(0), most_pairs.expand(num_devices)], dim=1)
     return DedupCounts(
-        num_devices=num_devices,
         dev_TK=dev_TK,
         code_TK=local_id_of_expert_E.to(device=device, dtype=torch.long)[ids],
         rank_TK=rank_TK,

@@ -34,13 +34,15 @@ def check_fused_equals_torch(ids, placement, num_devices, x, weights):
     counts, want, want_buf, slots = torch_plan(ids, placement, num_devices, x, weights)
     fused = dedup_plan_count(ids, placement, num_devices)
     assert torch.equal(fused.counts_D3, counts.counts_D3)
-    got = dedup_plan_pack(fused, ids, weights, x, placement, local_expert_ids(placement, num_devices),
-                          want.num_rows, slots)
-    assert torch.equal(got.brim0_TD, want.brim0_TJ)
+    got, buffer = dedup_plan_pack(fused, ids, weights, x, placement, local_expert_ids(placement, num_devices),
+                                  want.rows_per_device, want.pairs_per_device, slots)
+    assert torch.equal(got.brim0_TJ, want.brim0_TJ)
     for name in ("send_token_S", "pair_code_P", "pair_slot_P", "devices_per_token_T", "pair_row_P", "pair_rank_P"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert torch.equal(got.buffer, want_buf)
-    return want, got.buffer, slots
+    assert (got.rows_per_device, got.pairs_per_device, got.slots) == (want.rows_per_device, want.pairs_per_device, slots)
+    assert got.pairs_in_token_order
+    assert torch.equal(buffer, want_buf)
+    return want, buffer, slots
 
 
 @pytest.mark.parametrize("kind,T,E,K,D", CASES + EXTRA)
@@ -63,13 +65,13 @@ def test_several_token_blocks_int32_ids_strided_x_odd_hidden_and_bf16_gates():
     weights = torch.rand(tokens, top_k, generator=gen).bfloat16()
     _, want, want_buf, slots = torch_plan(ids, placement, num_devices, x, weights)
     fused = dedup_plan_count(ids.int(), placement, num_devices)
-    got = dedup_plan_pack(fused, ids.int(), weights, x, placement, local_expert_ids(placement, num_devices),
-                          want.num_rows, slots)
+    got, buffer = dedup_plan_pack(fused, ids.int(), weights, x, placement, local_expert_ids(placement, num_devices),
+                                  want.rows_per_device, want.pairs_per_device, slots)
     hidden_bytes, _ = packed_row_layout(33, torch.float16, slots)
     assert fused.cum_rows_BD.shape[0] == 4
-    assert torch.equal(got.brim0_TD, want.brim0_TJ) and torch.equal(got.pair_row_P, want.pair_row_P)
-    assert torch.equal(got.buffer[:, : 33 * 2], want_buf[:, : 33 * 2])            # the pad bytes are unset in both
-    assert torch.equal(got.buffer[:, hidden_bytes:], want_buf[:, hidden_bytes:])
+    assert torch.equal(got.brim0_TJ, want.brim0_TJ) and torch.equal(got.pair_row_P, want.pair_row_P)
+    assert torch.equal(buffer[:, : 33 * 2], want_buf[:, : 33 * 2])            # the pad bytes are unset in both
+    assert torch.equal(buffer[:, hidden_bytes:], want_buf[:, hidden_bytes:])
 
 
 def test_a_wider_slot_count_than_the_local_most_is_padded():
@@ -80,9 +82,9 @@ def test_a_wider_slot_count_than_the_local_most_is_padded():
     counts, _, _, slots = torch_plan(ids, placement, 2, x, weights)
     rows, pairs, _ = counts.counts_D3.t().tolist()
     want = finish_dedup_plan(counts, rows, pairs, slots + 3)
-    got = dedup_plan_pack(dedup_plan_count(ids, placement, 2), ids, weights, x, placement,
-                          local_expert_ids(placement, 2), sum(rows), slots + 3)
-    assert torch.equal(got.buffer, _pack_rows(x, weights.reshape(-1)[want.pair_slot_P], want))
+    _, buffer = dedup_plan_pack(dedup_plan_count(ids, placement, 2), ids, weights, x, placement,
+                                local_expert_ids(placement, 2), rows, pairs, slots + 3)
+    assert torch.equal(buffer, _pack_rows(x, weights.reshape(-1)[want.pair_slot_P], want))
 
 
 def test_bad_ids_name_the_field():
@@ -247,3 +249,11 @@ def test_the_fused_plan_can_be_switched_off_for_a_b_runs(monkeypatch):
     monkeypatch.setenv("OCCULT_FUSED_PLAN", "1")
     fused = get_backend("triton")
     assert fused.dedup_count is dedup_plan_count and fused.group_pairs is not None
+
+
+def test_the_fused_plan_cuts_the_eager_forwards_launches():
+    from occult.ep.launches import count_forward
+
+    fused, plain = count_forward(True), count_forward(False)
+    assert fused["aten"] <= 12 and plain["aten"] >= 40               # docs/performance.md v6
+    assert fused["triton"] == plain["triton"] + 4                    # plan, pack, 2 for BRIM_1

@@ -265,7 +265,7 @@ def _compile_every_launch_for_sm90() -> int:
         ids = torch.randint(0, experts, (300, top_k), generator=gen)
         counts = plan_module.dedup_plan_count(ids, placement, num_devices)
         plan_module.dedup_plan_pack(counts, ids, torch.rand(300, top_k), torch.randn(300, 64, dtype=dtype),
-                                    placement, placement // num_devices, 600, top_k)
+                                    placement, placement // num_devices, [300, 300], [1200, 1200], top_k)
         received = torch.randint(-1, 8, (600, top_k + 3), dtype=torch.int32, generator=gen)[:, :top_k]
         for num_pairs in (None, 500):
             plan_module.group_pairs_by_expert(received, num_pairs, 8)
