@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One 2-GPU device session for issues 3, 4 and 5, run detached and polled by back-to-back calls.
+#   gpu_session.sh start          copy this checkout (with .carry/ and .thirdparty/) to /tmp/occ and
+#                                 start the runner with setsid; later calls need carry nothing
+#   gpu_session.sh poll SECONDS   wait up to SECONDS (or until the runner is done), print progress,
+#                                 and put everything measured so far into $OUT/session.tgz
+#   gpu_session.sh run            the runner itself, against one deadline (SESSION_BUDGET_S, 1440):
+#     A. both GPUs (until SESSION_A_S, 600): the bf16 GPU tests, the EP runtime's benchmark
+#        (gpu_ep_bench.sh), the D=2 training sweep with every baseline, and a D=2 prefill sweep of
+#        Occult, MegaBlocks and Tutel on the Qwen and DeepSeek shapes. Baselines build on the CPU
+#        meanwhile (build_baselines.sh with the cached wheels, Tutel from its carried source).
+#     B. one GPU each: the quality study (gpu_quality.sh pretrain, variants, evaluate) on GPU 0;
+#        the D=1 training and decode sweeps, then the kernel config sweep (gpu_tune.sh) on GPU 1.
+# Carried inputs: .carry/quality (pack_quality.sh), .carry/trace/routing_heldout.npz,
+# .thirdparty/sdist (MegaBlocks, stk, grouped_gemm sdists, tutel-*.tar.gz), .thirdparty/wheels.
+set -uo pipefail
+ROOT=/tmp/occ; S=/tmp/occ-session; R=$S/out
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+
+stamp() { echo "[$(date -u +%T) +$(( $(date +%s) - T0 ))s] $*"; }
+left() { echo $(( $1 - $(date +%s) )); }
+
+case "${1:?usage: gpu_session.sh start|poll SECONDS|run}" in
+start)
+    [ -e "$S/started" ] && { echo "already started"; exit 0; }
+    mkdir -p "$R" && rm -rf "$ROOT" && cp -a "$PWD" "$ROOT" && date +%s > "$S/started"
+    cd "$ROOT" && setsid nohup bash workflow/scripts/gpu_session.sh run > "$S/runner.log" 2>&1 < /dev/null &
+    echo "runner started in $ROOT" ;;
+poll)
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [ ! -e "$R/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
+    [ -e "$R/done" ] && echo "runner: done" || echo "runner: still running"
+    cp "$S/runner.log" "$R/runner.log" 2>/dev/null
+    tar -C "$R" --exclude=wheels -czf "$OUT/session.tgz" . && tail -40 "$S/runner.log" ;;
+run)
+    T0=$(date +%s); END=$(( T0 + ${SESSION_BUDGET_S:-1440} )); A_END=$(( T0 + ${SESSION_A_S:-600} ))
+    export OCCULT_COMMIT=$(cat .carry/quality/COMMIT 2>/dev/null || echo unknown)
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
+      python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+      echo "commit: $OCCULT_COMMIT"; } > "$R/machine.txt" 2>&1
+    python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1 || tail -5 "$R/install.log"
+    here=workflow/scripts; trace=$ROOT/.carry/trace/routing_heldout.npz; sdist=$ROOT/.thirdparty/sdist
+    ( WHEEL_CACHE=$ROOT/.thirdparty/wheels bash $here/build_baselines.sh "$sdist" /tmp/occult-baselines
+      mkdir -p /tmp/occult-tutel && tar xzf "$sdist"/tutel-*.tar.gz -C /tmp/occult-tutel
+      ( cd /tmp/occult-tutel/*/ && python3 -m pip install -q --no-deps --no-build-isolation --no-index . ) \
+        && python3 -c 'import tutel; print("import tutel: ok")' || echo "tutel: FAILED to install" ) > "$R/build.log" 2>&1 &
+    build=$!
+    stamp "A: GPU tests"
+    timeout 240 python3 -m pytest tests/kernels tests/ep -m gpu -q -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
+    tail -2 "$R/gpu_tests.log"
+    wait $build; tail -3 "$R/build.log"
+    stamp "A: EP runtime benchmark"
+    timeout "$(left $A_END)" bash $here/gpu_ep_bench.sh "$R/ep" "$trace"
+    if [ "$(left $A_END)" -gt 60 ]; then
+        stamp "A: D=2 training sweep"
+        timeout "$(left $A_END)" env SWEEP_DS=2 bash $here/gpu_sweeps.sh "$R/sweeps" train
+    fi
+    mkdir -p "$R/sweeps/parts"
+    for group in "occult occult-graph naive megablocks" "tutel"; do
+        [ "$(left $A_END)" -gt 30 ] || break
+        stamp "A: D=2 prefill, Qwen and DeepSeek: $group"
+        timeout "$(left $A_END)" torchrun --nproc_per_node=2 -m occult.sweep --kind prefill --shapes qwen deepseek \
+            --methods $group --sizes 1024 4096 16384 --repeats 20 --warmup 5 --timeout-s 120 \
+            --out "$R/sweeps/parts/prefill_qwen_deepseek_D2_${group%% *}.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -12
+    done
+    stamp "B: quality on GPU 0; D=1 sweeps and the kernel config sweep on GPU 1"
+    (
+        export CUDA_VISIBLE_DEVICES=0 WORK_ROOT=/tmp/quality-work OUT=$R/quality
+        for phase in pretrain variants evaluate; do
+            [ "$(left $END)" -gt 30 ] || { echo "quality: no time left for $phase"; break; }
+            PHASE_LIMIT_S=$(left $END) bash $here/gpu_quality.sh $phase > /dev/null 2>&1 || { echo "quality $phase: exit $?"; break; }
+            echo "quality $phase: done at +$(( $(date +%s) - T0 ))s"
+        done
+    ) &
+    quality=$!
+    (
+        export CUDA_VISIBLE_DEVICES=1
+        timeout "$(left $END)" env SWEEP_DS=1 bash $here/gpu_sweeps.sh "$R/sweeps" train decode > "$R/sweeps_D1.log" 2>&1
+        [ "$(left $END)" -gt 120 ] && TUNE_LIMIT_S=$(( $(left $END) - 100 )) timeout "$(left $END)" \
+            bash $here/gpu_tune.sh "$R/tune" > "$R/tune_run.log" 2>&1
+        echo "GPU 1 lane: done at +$(( $(date +%s) - T0 ))s"
+    ) &
+    wait $quality; wait
+    stamp "runner done"; touch "$R/done" ;;
+esac
