@@ -77,7 +77,9 @@ def read_corpus(path: str | Path) -> list[tuple[str, str]]:
     """(source, text) pairs of a jsonl corpus file; errors name the file and line."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # split on "\n" only: str.splitlines() also splits inside JSON strings at U+2028, U+0085
+        # and other separators that json.dumps(ensure_ascii=False) leaves raw (ShareGPT has them)
+        lines = path.read_text(encoding="utf-8").split("\n")
     except FileNotFoundError:
         raise FileNotFoundError(f"corpus file {path} does not exist") from None
     docs = []

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import platform
 import re
@@ -229,6 +230,11 @@ class OccultEP(Method):
 
     def teardown(self) -> None:
         self._graphs, self._received = {}, {}
+        if self.graphed:
+            # make_graphed_callables' autograd Functions hold the graphs in reference cycles; NCCL
+            # keeps communicators alive while a graph that captured them exists, so the process
+            # group's teardown waited on them until killed (results/nvidia-h200-x2/ep_v6, train kind with occult-graph)
+            gc.collect()
 
     def _layer(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, phase=None,
                stats=None) -> torch.Tensor:

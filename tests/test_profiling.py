@@ -170,3 +170,12 @@ def test_read_corpus_names_bad_lines(tmp_path):
     assert read_corpus(good) == [("a", "one")]
     with pytest.raises(FileNotFoundError, match="absent.jsonl"):
         read_corpus(tmp_path / "absent.jsonl")
+
+
+def test_read_corpus_keeps_unicode_line_separators_inside_texts(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028, U+2029, U+0085 and \\x1c raw; they are text."""
+    texts = ["a\u2028b", "c\u2029d", "e\u0085f", "g\x1ch", "i\x0bj"]
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"source": "s", "text": t}, ensure_ascii=False) + "\n" for t in texts),
+                    encoding="utf-8")
+    assert read_corpus(path) == [("s", t) for t in texts]

@@ -15,6 +15,7 @@ run, killing every rank when it passes.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import queue
@@ -193,6 +194,14 @@ def launched_by_torchrun() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
+def _release_before_teardown(device: str) -> None:
+    """Free objects in reference cycles (CUDA graphs that captured collectives among them) and let
+    queued GPU work finish, so that destroying the process group does not wait on either."""
+    gc.collect()
+    if device == "cuda" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run_in_group(
     fn: Callable[[], Any],
     device: str,
@@ -217,6 +226,7 @@ def run_in_group(
         try:
             fn()
         finally:
+            _release_before_teardown(device)
             dist.destroy_process_group()
     elif device == "cpu":
         run_ranks(lambda rank, world_size: fn(), world, timeout_s=timeout_s, deadline_s=deadline_s)
@@ -230,4 +240,5 @@ def run_in_group(
             try:
                 fn()
             finally:
+                _release_before_teardown(device)
                 dist.destroy_process_group()

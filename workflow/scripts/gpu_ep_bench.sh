@@ -36,7 +36,7 @@ OCCULT_FUSED_PLAN=0 timeout 300 torchrun --nproc_per_node="$gpus" -m occult.swee
   --routing uniform --methods occult occult-pe occult-nd1 --repeats 20 --warmup 5 --timeout-s 120 \
   --out "$out/ep_prefill_uniform_D${gpus}_torchplan.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -8
 echo "== ep bench train (fwd+bwd, 32 x 512 = 2^14 tokens) D=$gpus ($(date -u +%T))"
-timeout 300 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind train --shapes olmoe --no-shared \
+timeout 180 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind train --shapes olmoe --no-shared \
   --routing uniform --sizes 32 --methods occult occult-pe occult-static occult-graph occult-nd1 occult-compute \
   --repeats 20 --warmup 5 --timeout-s 120 --out "$out/ep_train_uniform_D${gpus}.csv" 2>&1 \
   | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -10

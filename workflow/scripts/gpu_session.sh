@@ -4,13 +4,15 @@
 #                                 start the runner with setsid; later calls need carry nothing
 #   gpu_session.sh poll SECONDS   wait up to SECONDS (or until the runner is done), print progress,
 #                                 and put everything measured so far into $OUT/session.tgz
-#   gpu_session.sh run            the runner itself, against one deadline (SESSION_BUDGET_S, 1440):
+#   gpu_session.sh run            the runner itself, against one deadline (SESSION_BUDGET_S, 1440),
+#                                 stages SESSION_STAGES (default "A B"):
 #     A. both GPUs (until SESSION_A_S, 600): the bf16 GPU tests, the EP runtime's benchmark
 #        (gpu_ep_bench.sh), the D=2 training sweep with every baseline, and a D=2 prefill sweep of
 #        Occult, MegaBlocks and Tutel on the Qwen and DeepSeek shapes. Baselines build on the CPU
 #        meanwhile (build_baselines.sh with the cached wheels, Tutel from its carried source).
 #     B. one GPU each: the quality study (gpu_quality.sh pretrain, variants, evaluate) on GPU 0;
-#        the D=1 training and decode sweeps, then the kernel config sweep (gpu_tune.sh) on GPU 1.
+#        the D=1 sweeps SESSION_D1_KINDS (default "train decode"), then the kernel config sweep
+#        (gpu_tune.sh, unless SESSION_TUNE=0) on GPU 1, its torchrun on another port.
 # Carried inputs: .carry/quality (pack_quality.sh), .carry/trace/routing_heldout.npz,
 # .thirdparty/sdist (MegaBlocks, stk, grouped_gemm sdists, tutel-*.tar.gz), .thirdparty/wheels.
 set -uo pipefail
@@ -45,6 +47,8 @@ run)
       ( cd /tmp/occult-tutel/*/ && python3 -m pip install -q --no-deps --no-build-isolation --no-index . ) \
         && python3 -c 'import tutel; print("import tutel: ok")' || echo "tutel: FAILED to install" ) > "$R/build.log" 2>&1 &
     build=$!
+    stages=${SESSION_STAGES:-A B}
+    if [[ " $stages " == *" A "* ]]; then
     stamp "A: GPU tests"
     timeout 240 python3 -m pytest tests/kernels tests/ep -m gpu -q -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
     tail -2 "$R/gpu_tests.log"
@@ -63,6 +67,11 @@ run)
             --methods $group --sizes 1024 4096 16384 --repeats 20 --warmup 5 --timeout-s 120 \
             --out "$R/sweeps/parts/prefill_qwen_deepseek_D2_${group%% *}.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -12
     done
+    fi
+    # a stage-A command stopped by its deadline can leave ranks behind, holding a GPU and port 29500
+    pkill -f "occult.sweep|occult.ep.profile_gpu|torchrun" 2>/dev/null; sleep 2
+    [[ " $stages " == *" B "* ]] || { stamp "runner done"; touch "$R/done"; exit 0; }
+    wait $build 2>/dev/null
     stamp "B: quality on GPU 0; D=1 sweeps and the kernel config sweep on GPU 1"
     (
         export CUDA_VISIBLE_DEVICES=0 WORK_ROOT=/tmp/quality-work OUT=$R/quality
@@ -74,9 +83,9 @@ run)
     ) &
     quality=$!
     (
-        export CUDA_VISIBLE_DEVICES=1
-        timeout "$(left $END)" env SWEEP_DS=1 bash $here/gpu_sweeps.sh "$R/sweeps" train decode > "$R/sweeps_D1.log" 2>&1
-        [ "$(left $END)" -gt 120 ] && TUNE_LIMIT_S=$(( $(left $END) - 100 )) timeout "$(left $END)" \
+        export CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29611
+        timeout "$(left $END)" env SWEEP_DS=1 bash $here/gpu_sweeps.sh "$R/sweeps" ${SESSION_D1_KINDS:-train decode} > "$R/sweeps_D1.log" 2>&1
+        [ "${SESSION_TUNE:-1}" = 1 ] && [ "$(left $END)" -gt 120 ] && TUNE_LIMIT_S=$(( $(left $END) - 100 )) timeout "$(left $END)" \
             bash $here/gpu_tune.sh "$R/tune" > "$R/tune_run.log" 2>&1
         echo "GPU 1 lane: done at +$(( $(date +%s) - T0 ))s"
     ) &
