@@ -273,7 +273,8 @@ def _group_count_kernel(
     block = tl.program_id(0)
     buckets = tl.arange(0, BUCKETS_P2)
     hits = (key[:, None] == buckets[None, :]) & mask_p[:, None]
-    tl.store(counts_ptr + block * (num_experts + 1) + buckets, tl.sum(hits.to(tl.int64), axis=0),
+    # bucket-major [buckets, blocks]: the host's running sum over blocks is then an innermost scan
+    tl.store(counts_ptr + buckets * tl.num_programs(0) + block, tl.sum(hits.to(tl.int64), axis=0),
              mask=buckets <= num_experts)
 
 
@@ -291,7 +292,7 @@ def _group_place_kernel(
     in_bucket = buckets <= num_experts
     after_first = (buckets * 0 + block) > 0
     before = tl.load(start_ptr + buckets, mask=in_bucket, other=0) + tl.load(
-        cum_ptr + (block - 1) * (num_experts + 1) + buckets, mask=in_bucket & after_first, other=0)
+        cum_ptr + buckets * tl.num_programs(0) + (block - 1), mask=in_bucket & after_first, other=0)
     base = tl.sum(tl.where(key[:, None] == buckets[None, :], before[None, :], 0), axis=1)
     lanes = tl.arange(0, BLOCK_P)
     same_before = (key[:, None] == key[None, :]) & (lanes[None, :] < lanes[:, None]) & mask_p[None, :]
@@ -325,11 +326,14 @@ def group_pairs_by_expert(
     if num_blocks == 0:
         return pair_flat_M, pair_row_M, torch.zeros(experts_per_rank + 1, **long), pair_pos_RK
     buckets_p2 = _pow2(experts_per_rank + 1)
-    counts = torch.empty(num_blocks, experts_per_rank + 1, **long)
+    counts = torch.empty(experts_per_rank + 1, num_blocks, **long)     # [bucket, block]
     _group_count_kernel[(num_blocks,)](code_RK, counts, num_slots, slots, experts_per_rank, *code_RK.stride(),
                                        BLOCK_P=block_p, BUCKETS_P2=buckets_p2)
-    cum = counts.cumsum(0)
-    start = cum[-1].cumsum(0) - cum[-1]                        # first position of each bucket
+    # Scan along the innermost dimension: torch's outer-dimension scan runs one thread per column
+    # over all blocks, ~0.4 ms for [4096 blocks, 33 buckets] on an H200 (ep_v6 profile).
+    cum = counts.cumsum(1)
+    totals = cum[:, -1]
+    start = totals.cumsum(0) - totals                          # first position of each bucket
     _group_place_kernel[(num_blocks,)](code_RK, cum, start, pair_flat_M, pair_row_M, pair_pos_RK, num_slots, slots,
                                        experts_per_rank, kept, *code_RK.stride(),
                                        BLOCK_P=block_p, BUCKETS_P2=buckets_p2)

@@ -331,7 +331,9 @@ def finish_dedup_plan(
     device = hit_TD.device
     num_rows = sum(rows_per_device)
     rows_D = counts.counts_D3[:, 0]
-    before_TD = hit_TD.cumsum(0) + (rows_D.cumsum(0) - rows_D - 1)   # row index where hit
+    # the running count of hits per device, scanned token-innermost (a [T, D] scan along T is
+    # torch's outer-dimension kernel: one thread per device column)
+    before_TD = hit_TD.t().contiguous().cumsum(1).t() + (rows_D.cumsum(0) - rows_D - 1)   # row index where hit
     brim0_TD = torch.where(hit_TD, before_TD, -1)
     # Each row's token: scatter t into its rows; rows of (t, d) without a hit go to a spare slot.
     token_TD = torch.arange(num_tokens, device=device)[:, None].expand(num_tokens, num_devices)
