@@ -58,7 +58,7 @@ def _plan_count_kernel(
     pairs_td = tl.sum((dev[:, :, None] == offs_d[None, None, :]).to(tl.int64), axis=1)     # [BT, DP]
     rows_d = tl.sum((pairs_td > 0).to(tl.int64), axis=0)
     mask_d = offs_d < D
-    tl.store(rows_ptr + block * D + offs_d, rows_d, mask=mask_d)
+    tl.store(rows_ptr + offs_d * tl.num_programs(0) + block, rows_d, mask=mask_d)      # [D, blocks]
     tl.store(pairs_ptr + block * D + offs_d, tl.sum(pairs_td, axis=0), mask=mask_d)
     tl.store(most_ptr + block, tl.max(tl.max(pairs_td, axis=1), axis=0))
 
@@ -83,9 +83,9 @@ def _plan_pack_kernel(
     hit = (tl.sum(onehot.to(tl.int64), axis=1) > 0).to(tl.int64)                          # [BT, DP]
     # Row of (t, d): device d's first row + its rows in earlier blocks + earlier tokens here (one 1-D
     # scan per device: triton 3.6 miscompiles a 2-D scan of this layout).
-    totals = tl.load(cum_ptr + (num_blocks - 1) * D + offs_d, mask=mask_d, other=0)
+    totals = tl.load(cum_ptr + offs_d * num_blocks + (num_blocks - 1), mask=mask_d, other=0)
     after_first = (offs_d * 0 + block) > 0                                               # [DP]
-    earlier = tl.load(cum_ptr + (block - 1) * D + offs_d, mask=mask_d & after_first, other=0)
+    earlier = tl.load(cum_ptr + offs_d * num_blocks + (block - 1), mask=mask_d & after_first, other=0)
     base_d = tl.cumsum(totals, axis=0) - totals + earlier                                 # [DP]
     sent = (hit > 0) & mask_t[:, None] & mask_d[None, :]
     offs_h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -156,7 +156,7 @@ class FusedCounts:
     """What `dedup_plan_count` leaves for `dedup_plan_pack` (same role as `DedupCounts`)."""
 
     counts_D3: torch.Tensor          # int64 [D, 3] rows, pairs, most pairs of a row (every row)
-    cum_rows_BD: torch.Tensor        # int64 [blocks, D] rows per device through each token block
+    cum_rows_DB: torch.Tensor        # int64 [D, blocks] rows per device through each token block
     block_t: int
 
 
@@ -178,16 +178,16 @@ def dedup_plan_count(ids_TK: torch.Tensor, device_of_expert_E: torch.Tensor, num
     num_blocks = triton.cdiv(num_tokens, block_t)
     if num_blocks == 0:
         zeros = torch.zeros(num_devices, 3, dtype=torch.long, device=device)
-        return FusedCounts(zeros, torch.zeros(0, num_devices, dtype=torch.long, device=device), block_t)
-    rows = torch.empty(num_blocks, num_devices, dtype=torch.long, device=device)
-    pairs = torch.empty_like(rows)
+        return FusedCounts(zeros, torch.zeros(num_devices, 0, dtype=torch.long, device=device), block_t)
+    rows = torch.empty(num_devices, num_blocks, dtype=torch.long, device=device)    # device-major
+    pairs = torch.empty(num_blocks, num_devices, dtype=torch.long, device=device)   # block-major: summed
     most = torch.empty(num_blocks, dtype=torch.long, device=device)
     _plan_count_kernel[(num_blocks,)](
         ids_TK, device_of_expert_E, rows, pairs, most, num_tokens, top_k, num_devices, *ids_TK.stride(),
         BLOCK_T=block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices),
     )
-    cum_rows = rows.cumsum(0)
-    counts = torch.stack([cum_rows[-1], pairs.sum(0), most.max().expand(num_devices)], dim=1)
+    cum_rows = rows.cumsum(1)       # innermost scan (torch's outer-dim scan is one thread per column)
+    counts = torch.stack([cum_rows[:, -1], pairs.sum(0), most.max().expand(num_devices)], dim=1)
     return FusedCounts(counts, cum_rows, block_t)
 
 
@@ -230,14 +230,14 @@ def dedup_plan_pack(
         slots=slots,
         pairs_in_token_order=True,
     )
-    num_blocks = counts.cum_rows_BD.shape[0]
+    num_blocks = counts.cum_rows_DB.shape[1]
     if num_tokens == 0:
         return plan, buffer
     # 128 hidden columns × up to 128 tokens in 8 warps: 64 x elements a thread, no spill
     block_h = 32 if interpreting() else 128
     chunks = max(triton.cdiv(hidden, block_h), 1)
     _plan_pack_kernel[(num_blocks, chunks)](
-        ids_TK, device_of_expert_E, local_id_of_expert_E, weights_TK, x_TD, counts.cum_rows_BD,
+        ids_TK, device_of_expert_E, local_id_of_expert_E, weights_TK, x_TD, counts.cum_rows_DB,
         plan.brim0_TJ, plan.send_token_S, plan.devices_per_token_T, plan.pair_row_P, plan.pair_rank_P,
         plan.pair_code_P, plan.pair_slot_P,
         buffer.view(x_TD.dtype), buffer.view(torch.int32), buffer.view(torch.float32),

@@ -68,7 +68,7 @@ def test_several_token_blocks_int32_ids_strided_x_odd_hidden_and_bf16_gates():
     got, buffer = dedup_plan_pack(fused, ids.int(), weights, x, placement, local_expert_ids(placement, num_devices),
                                   want.rows_per_device, want.pairs_per_device, slots)
     hidden_bytes, _ = packed_row_layout(33, torch.float16, slots)
-    assert fused.cum_rows_BD.shape[0] == 4
+    assert fused.cum_rows_DB.shape[1] == 4
     assert torch.equal(got.brim0_TJ, want.brim0_TJ) and torch.equal(got.pair_row_P, want.pair_row_P)
     assert torch.equal(buffer[:, : 33 * 2], want_buf[:, : 33 * 2])            # the pad bytes are unset in both
     assert torch.equal(buffer[:, hidden_bytes:], want_buf[:, hidden_bytes:])
