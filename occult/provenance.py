@@ -26,7 +26,14 @@ PACKAGES = ("torch", "triton", "transformers", "lm_eval", "snakemake", "pandas",
 
 def git_commit(root: Path = REPO_ROOT) -> str:
     """Short commit of the checkout at `root`, "-dirty" when tracked code or config differs from it
-    (changes under results/ and figures/ do not count); $OCCULT_COMMIT where git cannot tell."""
+    (changes under results/ and figures/ do not count); $OCCULT_COMMIT where git cannot tell.
+
+    A set $OCCULT_COMMIT wins over git: the device scripts set it after checking the copied tree
+    against the commit's file hashes, and a copied checkout's .git can be stale (on the lent GPU
+    machines it named an older commit, "-dirty", in results of 2026-11-30)."""
+    pinned = os.environ.get("OCCULT_COMMIT", "").strip()
+    if pinned:
+        return pinned
     try:
         out = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],

@@ -388,7 +388,7 @@ def test_gpu_interconnect_is_read_from_nvidia_smi_topology():
     assert gpu_interconnect(2, None).startswith("unknown")
 
 
-def test_commit_is_dirty_for_code_changes_not_for_regenerated_results(tmp_path):
+def test_commit_is_dirty_for_code_changes_not_for_regenerated_results(tmp_path, monkeypatch):
     import subprocess
 
     from occult.provenance import git_commit
@@ -396,6 +396,7 @@ def test_commit_is_dirty_for_code_changes_not_for_regenerated_results(tmp_path):
     def git(*args):
         subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
 
+    monkeypatch.delenv("OCCULT_COMMIT", raising=False)
     git("init", "-q")
     (tmp_path / "code.py").write_text("x = 1\n")
     (tmp_path / "results").mkdir()
@@ -408,3 +409,5 @@ def test_commit_is_dirty_for_code_changes_not_for_regenerated_results(tmp_path):
     assert git_commit(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")                      # the code changed
     assert git_commit(tmp_path) == clean + "-dirty"
+    monkeypatch.setenv("OCCULT_COMMIT", "0e62a9e0b16e")     # set by a device script: wins over git
+    assert git_commit(tmp_path) == "0e62a9e0b16e"
