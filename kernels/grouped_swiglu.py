@@ -83,9 +83,27 @@ AUTOTUNE_MIN_PAIRS = 8192
 GROUP_M = 8
 
 
-def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int, kernel_name: str | None = None) -> Mapping[str, int] | None:
+# Measured winners of the config sweep that beat the autotuner's pick by a margin worth pinning:
+# results/nvidia-h200-x2/tune_v1 (H200, bf16, OLMoE experts D=2048, F=1024, 131k pairs a rank):
+# swiglu_fwd 2.310 -> 2.226 ms, swiglu_dx 3.577 -> 2.687 ms, swiglu_dw 3.277 -> 2.747 ms. Used for
+# 16-bit inputs of that (D, F) on compute capability 9.x from AUTOTUNE_MIN_PAIRS pairs on; every
+# other case autotunes. Key: (kernel name, capability major, D, F).
+TUNED_GEMM_META: Mapping[tuple[str, int, int, int], Mapping[str, int]] = MappingProxyType({
+    ("_swiglu_fwd_kernel", 9, 2048, 1024): MappingProxyType(
+        {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
+    ("_swiglu_bwd_dx_kernel", 9, 2048, 1024): MappingProxyType(
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}),
+    ("_swiglu_bwd_dw_kernel", 9, 2048, 1024): MappingProxyType(
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}),
+})
+
+
+def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int, kernel_name: str | None = None,
+                    shape: tuple[int, int] | None = None,
+                    device: torch.device | None = None) -> Mapping[str, int] | None:
     """The single config to launch with, or None to autotune (decided per launch). A config forced
-    for `kernel_name` (`forced_gemm_meta`, the config sweep of `tune_kernels`) wins over all."""
+    for `kernel_name` (`forced_gemm_meta`, the config sweep of `tune_kernels`) wins over all; then
+    a measured one of `TUNED_GEMM_META` for this (D, F) = `shape` on `device`'s architecture."""
     if kernel_name is not None and kernel_name in _FORCED_META:
         return _FORCED_META[kernel_name]
     if interpreting():
@@ -94,10 +112,26 @@ def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int, kernel_name: str | None 
         return FP32_GEMM_META
     if num_pairs < AUTOTUNE_MIN_PAIRS:
         return SMALL_GEMM_META
+    if _PINNING[0] and shape is not None and device is not None and device.type == "cuda" and kernel_name is not None:
+        tuned = TUNED_GEMM_META.get((kernel_name, torch.cuda.get_device_capability(device)[0], *shape))
+        if tuned is not None:
+            return tuned
     return None
 
 
 _FORCED_META: dict[str, Mapping[str, int]] = {}
+_PINNING = [True]
+
+
+@contextlib.contextmanager
+def pinned_configs_disabled():
+    """Inside the block, shapes of `TUNED_GEMM_META` autotune like any other (for the config
+    sweep's autotuner baseline). Not thread-safe."""
+    previous, _PINNING[0] = _PINNING[0], False
+    try:
+        yield
+    finally:
+        _PINNING[0] = previous
 
 
 def kernel_name(kernel) -> str:
@@ -124,9 +158,14 @@ def forced_gemm_meta(name: str, meta: Mapping[str, int]):
             _FORCED_META[name] = previous
 
 
-def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dtype, num_pairs: int) -> None:
-    """Launch `kernel` with the fixed (or forced) config for (dtype, size), or its autotuned wrapper `tuned`."""
-    meta = fixed_gemm_meta(dtype, num_pairs, kernel_name(kernel))
+def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dtype, num_pairs: int,
+                shape: tuple[int, int] | None = None) -> None:
+    """Launch `kernel` with the fixed, forced or measured config for (dtype, size, (D, F) = `shape`),
+    or its autotuned wrapper `tuned`. The device is that of the first tensor argument."""
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if not consts.get("GRADS_READY", True):
+        shape = None          # the measured backward configs are those of the materialized mode
+    meta = fixed_gemm_meta(dtype, num_pairs, kernel_name(kernel), shape, device)
     if meta is None:
         tuned[grid](*args, **consts)
     else:
@@ -476,7 +515,8 @@ def grouped_swiglu_forward(
     def grid(meta):
         return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"]),)
 
-    launch_gemm(_swiglu_fwd_tuned, _swiglu_fwd_kernel, grid, args, consts, x_RD.dtype, num_pairs)
+    launch_gemm(_swiglu_fwd_tuned, _swiglu_fwd_kernel, grid, args, consts, x_RD.dtype, num_pairs,
+                (hidden, ffn))
     return h_MF, preact_M2F
 
 
@@ -539,7 +579,8 @@ def grouped_swiglu_backward(
             def grid_dx(meta):
                 return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
-            launch_gemm(_swiglu_bwd_dx_tuned, _swiglu_bwd_dx_kernel, grid_dx, args, consts, x_RD.dtype, num_pairs)
+            launch_gemm(_swiglu_bwd_dx_tuned, _swiglu_bwd_dx_kernel, grid_dx, args, consts, x_RD.dtype, num_pairs,
+                        (hidden, ffn))
             if scatter_rows:
                 dx_RD = dxp_MD
             elif row_pairs_RK is not None:
@@ -562,7 +603,7 @@ def grouped_swiglu_backward(
                 return (num_experts * triton.cdiv(ffn, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
             launch_gemm(_swiglu_bwd_dw_tuned, _swiglu_bwd_dw_kernel, grid_dw, args,
-                        dict(PRECISION=precision, GRADS_READY=ready), x_RD.dtype, num_pairs)
+                        dict(PRECISION=precision, GRADS_READY=ready), x_RD.dtype, num_pairs, (hidden, ffn))
     return dx_RD, dw_E2FD
 
 

@@ -195,23 +195,29 @@ def classify(exc: BaseException) -> str:
 
 def sweep_kernel(kernel: str, inp: Inputs, metas: list[dict[str, int]], flops: float, on_gpu: bool,
                  warmup_ms: int, rep_ms: int, deadline: float) -> list[dict]:
-    """The autotuned default, then each forced config: status, times, error vs the default."""
+    """The autotuner's pick, the pinned default (`TUNED_GEMM_META`) where one applies, then each
+    forced config: status, times, error vs the autotuner's outputs."""
     spec = KERNELS[kernel]
     run = op_runner(kernel, inp)
-    want = run()
+    autotuned = _autotuner_only(run)
+    want = autotuned()
+    pinned = pinned_meta(spec.name, inp)
+    labelled = [("autotuned", None), *([("pinned", dict(pinned))] if pinned else []), *[("forced", m) for m in metas]]
     rows = []
-    for index, meta in enumerate([None, *metas]):
+    for index, (label, meta) in enumerate(labelled):
         if time.monotonic() > deadline:
             print(f"tune_kernels: time limit reached in {kernel} after {index - 1} configs", file=sys.stderr)
             break
-        label = "autotuned" if meta is None else "forced"
+        forced_index = index - (len(labelled) - len(metas))        # position among `metas`
         row = {"kernel": kernel, "kernel_fn": spec.name, "config": label,
-               "in_autotune_set": meta is None or index <= len(spec.current),
+               "in_autotune_set": label == "autotuned" or (label == "forced" and forced_index < len(spec.current)),
                **{key: (meta or {}).get(key) for key in
                   ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_SIZE")}}
         try:
-            if meta is None:
-                got, fn = want, run
+            if label == "autotuned":
+                got, fn = want, autotuned
+            elif label == "pinned":       # what the op launches by default: TUNED_GEMM_META
+                got, fn = run(), run
             else:
                 with forced_gemm_meta(spec.name, meta):
                     got = run()
@@ -227,6 +233,22 @@ def sweep_kernel(kernel: str, inp: Inputs, metas: list[dict[str, int]], flops: f
             row.update(status=classify(exc))
         rows.append(row)
     return rows
+
+
+def pinned_meta(name: str, inp: Inputs):
+    """The `TUNED_GEMM_META` config the op launches by default for this workload, or None."""
+    if not any(key[0] == name for key in swiglu_module.TUNED_GEMM_META):
+        return None
+    meta = swiglu_module.fixed_gemm_meta(inp.x.dtype, inp.rows.shape[0], name,
+                                         (inp.x.shape[1], inp.w_gate_up.shape[1] // 2), inp.x.device)
+    return meta if any(meta is tuned for tuned in swiglu_module.TUNED_GEMM_META.values()) else None
+
+
+def _autotuner_only(run: Callable[[], object]) -> Callable[[], object]:
+    def call():
+        with swiglu_module.pinned_configs_disabled():
+            return run()
+    return call
 
 
 def _forced(run: Callable[[], object], name: str, meta: dict[str, int]) -> Callable[[], object]:
@@ -291,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                            stages=tuple(args.stages), group_sizes=tuple(args.group_sizes),
                            elem_bytes=inp.x.element_size(), smem_kib=args.smem_kib, limit=args.max_configs,
                            seed=args.seed)
-        print(f"tune_kernels: {kernel}: {len(metas)} configs + the autotuned default", file=sys.stderr, flush=True)
+        print(f"tune_kernels: {kernel}: {len(metas)} configs + the autotuner's pick (+ the pinned default)", file=sys.stderr, flush=True)
         flops = spec.flops(num_pairs, args.hidden, args.ffn)
         for row in sweep_kernel(kernel, inp, metas, flops, on_gpu, args.warmup_ms, args.rep_ms, deadline):
             results.append({**meta_cols, **row})
@@ -307,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary(frame: pd.DataFrame) -> pd.DataFrame:
-    """Per kernel: the autotuned default's time, the best forced config and the ratio."""
+    """Per kernel: the autotuner's time, the pinned default's (if any), the best forced config and
+    the autotuner's time over the best's."""
     out = []
     for kernel, group in frame.groupby("kernel", sort=False):
         ok = group[group["status"] == "ok"]
@@ -316,6 +339,9 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
         entry = {"kernel": kernel, "tried": int((group["config"] == "forced").sum()),
                  "failed": int(((group["config"] == "forced") & (group["status"] != "ok")).sum()),
                  "autotuned_ms": float(default["median_ms"].iloc[0]) if len(default) else float("nan")}
+        pinned = ok[ok["config"] == "pinned"]
+        if len(pinned):
+            entry["pinned_ms"] = float(pinned["median_ms"].iloc[0])
         if len(forced):
             best = forced.loc[forced["median_ms"].idxmin()]
             entry.update(best_ms=float(best["median_ms"]), best_tflops=float(best["tflops"]),

@@ -278,6 +278,9 @@ def _compile_every_launch_for_sm90() -> int:
         if isinstance(launchable, triton.runtime.Autotuner):
             fn, configs = launchable.fn, launchable.configs
             metas = [({**kwargs, **cfg.kwargs}, cfg.num_warps, cfg.num_stages) for cfg in configs]
+            metas += [({**kwargs, **{k: v for k, v in tuned.items() if k.startswith("BLOCK")}},
+                       tuned["num_warps"], tuned["num_stages"])            # the measured, pinned ones
+                      for key, tuned in modules[0].TUNED_GEMM_META.items() if key[0] == fn.__name__]
         else:
             fn = launchable
             meta = dict(kwargs)

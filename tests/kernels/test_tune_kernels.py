@@ -108,3 +108,30 @@ def test_without_a_gpu_only_the_interpreted_smoke_runs(tmp_path, monkeypatch):
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit, match="TRITON_INTERPRET"):
         tune_kernels.main(["--out", str(tmp_path / "t.csv")])
+
+
+def test_measured_configs_are_pinned_only_for_their_shape_dtype_size_and_architecture(monkeypatch):
+    """TUNED_GEMM_META applies to 16-bit inputs of its (D, F) on its architecture from
+    AUTOTUNE_MIN_PAIRS pairs on; everything else keeps the fixed or autotuned path."""
+    monkeypatch.setattr(swiglu_module, "interpreting", lambda: False)
+    capability = [(9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    cuda, many = torch.device("cuda", 0), 10**6
+    name = "_swiglu_bwd_dx_kernel"
+    pinned = swiglu_module.TUNED_GEMM_META[(name, 9, 2048, 1024)]
+    meta = swiglu_module.fixed_gemm_meta
+    assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is pinned
+    assert meta(torch.float16, many, name, (2048, 1024), cuda) is pinned
+    assert meta(torch.bfloat16, many, name, (2048, 512), cuda) is None                  # other shape: autotune
+    assert meta(torch.bfloat16, many, "_down_fwd_kernel", (2048, 1024), cuda) is None   # not measured
+    assert meta(torch.bfloat16, many, name, (2048, 1024), torch.device("cpu")) is None
+    assert meta(torch.float32, many, name, (2048, 1024), cuda) is swiglu_module.FP32_GEMM_META
+    assert meta(torch.bfloat16, 100, name, (2048, 1024), cuda) is swiglu_module.SMALL_GEMM_META
+    with swiglu_module.pinned_configs_disabled():
+        assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is None
+    assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is pinned
+    forced = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
+    with swiglu_module.forced_gemm_meta(name, forced):                                   # the sweep's forcing wins
+        assert dict(meta(torch.bfloat16, many, name, (2048, 1024), cuda)) == forced
+    capability[0] = (8, 0)
+    assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is None
