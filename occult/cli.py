@@ -41,9 +41,23 @@ def _data(args, cfg) -> None:
 
 
 def _pretrain(args, cfg) -> None:
+    """One process, or data parallel over the ranks of `torchrun --nproc_per_node=N occult ...`."""
+    import os
+
     from occult.pretrain import pretrain
 
-    pretrain(cfg, Path(args.data), Path(args.out), Path(args.log), Path(args.structure))
+    def run() -> None:
+        pretrain(cfg, Path(args.data), Path(args.out), Path(args.log), Path(args.structure))
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        run()
+        return
+    import torch
+
+    from occult.ep.dist import run_in_group
+
+    run_in_group(run, "cuda" if torch.cuda.is_available() else "cpu", world, timeout_s=900.0)
 
 
 def _import_checkpoint(args, cfg) -> None:

@@ -223,21 +223,22 @@ def request_cache(path: Path):
 
 def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path, data_dir: Path, profile_dir: Path,
                   placements_dir: Path, out_dir: Path, time_limit_s: float | None = None, limit: int | None = None,
-                  batch_tokens: int = BATCH_TOKENS) -> list[str]:
+                  batch_tokens: int = BATCH_TOKENS, shard: tuple[int, int] = (0, 1)) -> list[str]:
     """lm-eval every arm of the quality study in one process; arm `a` is read from
     `arms_root/<a.name>` (`raw`: `base_model_dir`) and scored into `out_dir/<a.name>.json` in the
     format of `evaluate`. Tasks are built once (lm-eval's request cache, kept in a temporary
     folder for this call) and tokenised once. Arms already scored are skipped; no new arm starts
-    after `time_limit_s`. Returns the names of the arms still missing."""
+    after `time_limit_s`. `shard` (k, n) keeps the arms at positions k, k + n, ... (one process per
+    GPU). Returns the names of this shard's arms still missing."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     from occult.evaltasks import CHANCE, TASK_NAMES, make_task_dir
     from occult.models import load_checkpoint, set_routing
-    from occult.variants import arm_config, arms_before_deadline, routing_for_variant
+    from occult.variants import arm_config, arms_before_deadline, routing_for_variant, shard_of
 
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
-    todo = [a for a in arms if not (out_dir / f"{a.name}.json").is_file()]
+    todo = [a for a in shard_of(arms, shard) if not (out_dir / f"{a.name}.json").is_file()]
     missing: list[str] = []
     tasks = list(cfg.data.eval_tasks)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from occult.config import load_config
-    from occult.variants import quality_arms
+    from occult.variants import parse_shard, quality_arms
 
     parser = argparse.ArgumentParser(prog="python -m occult.evaluate", description=main.__doc__)
     for flag in ("--config", "--model", "--arms", "--data", "--profile", "--placements", "--out"):
@@ -320,12 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None, help="start no arm after this many seconds")
     parser.add_argument("--limit", type=int, default=None, help="examples per task (smoke tests only)")
     parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS)
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="K/N",
+                        help="only the arms at positions K, K+N, ... (e.g. one process per GPU)")
     parser.add_argument("--log-json", metavar="PATH", help=log_json_help)
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     missing = evaluate_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.arms), Path(args.data),
                             Path(args.profile), Path(args.placements), Path(args.out), args.time_limit,
-                            args.limit, args.batch_tokens)
+                            args.limit, args.batch_tokens, args.shard)
     if missing:
         print(f"evaluate: time limit reached; {len(missing)} arms left ({', '.join(missing)}); run again",
               file=sys.stderr)

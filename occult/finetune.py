@@ -168,17 +168,18 @@ def finetune(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
 
 def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, profile_dir: Path,
                   placements_dir: Path, out_root: Path, logs_root: Path,
-                  time_limit_s: float | None = None) -> list[str]:
+                  time_limit_s: float | None = None, shard: tuple[int, int] = (0, 1)) -> list[str]:
     """Fine-tune every arm of the quality study in one process (data encoded once, the base
     weights reloaded from memory for each arm). Arm `a` goes to `out_root/<a.name>` with its loss
     log at `logs_root/<a.name>_log.csv`; `raw` is the base model itself and is skipped. Arms whose
-    output exists are skipped (resumable); no new arm starts after `time_limit_s`.
-    Returns the names of the arms still missing."""
+    output exists are skipped (resumable); no new arm starts after `time_limit_s`. `shard` (k, n)
+    keeps the arms at positions k, k + n, ... (one process per GPU). Returns the names of this
+    shard's arms still missing."""
     from occult.models import load_checkpoint, set_routing
-    from occult.variants import arm_config, arms_before_deadline, routing_for_variant
+    from occult.variants import arm_config, arms_before_deadline, routing_for_variant, shard_of
 
     deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
-    todo = [a for a in arms if parse_variant(a.variant).trains and not (out_root / a.name).is_dir()]
+    todo = [a for a in shard_of(arms, shard) if parse_variant(a.variant).trains and not (out_root / a.name).is_dir()]
     if not todo:
         return []
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -211,18 +212,20 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from occult.config import load_config
-    from occult.variants import quality_arms
+    from occult.variants import parse_shard, quality_arms
 
     parser = argparse.ArgumentParser(prog="python -m occult.finetune", description=main.__doc__)
     for flag in ("--config", "--model", "--data", "--profile", "--placements", "--out", "--logs"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--time-limit", type=float, default=None, help="start no arm after this many seconds")
+    parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="K/N",
+                        help="only the arms at positions K, K+N, ... (e.g. one process per GPU)")
     parser.add_argument("--log-json", metavar="PATH",
                         help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     missing = finetune_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.data), Path(args.profile),
-                            Path(args.placements), Path(args.out), Path(args.logs), args.time_limit)
+                            Path(args.placements), Path(args.out), Path(args.logs), args.time_limit, args.shard)
     if missing:
         print(f"finetune: time limit reached; {len(missing)} arms left ({', '.join(missing)}); run again",
               file=sys.stderr)

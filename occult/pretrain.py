@@ -15,6 +15,14 @@ log rows so far go to `<out_dir>.resume/state.pt`; the next call with the same c
 from there (bit-identical on CPU to an uninterrupted run) and deletes it once the checkpoint is
 saved. An interrupted call raises `PretrainPaused` (the CLI exits non-zero).
 
+Data parallel: started by `torchrun --nproc_per_node=N` (`occult pretrain`), each of the N ranks
+draws the same global batch from the same seeded sampler, keeps its 1/N share of the rows and
+averages the gradients over the ranks (one all-reduce per step) before clipping and the optimizer
+step, so every rank holds the same weights. The language-model loss is then that of the global
+batch up to summation order; the load-balancing loss is averaged over the ranks' shares (it is not
+linear in the tokens, so it differs slightly from the one-process value). Rank 0 alone writes the
+outputs and the resume state.
+
 Outputs: the checkpoint and tokenizer in `out_dir` (written to a temporary sibling, then renamed),
 the per-step log CSV (step, train_loss = LM loss only, aux_loss, lr, heldout_ppl where measured,
 elapsed_s; provenance in `<csv>.meta.json`) and `structure_json`.
@@ -46,6 +54,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -70,6 +79,7 @@ CLIP_NORM = 1.0
 WEIGHT_DECAY = 0.1
 PLACEMENT_TRIALS = 64
 CHECKPOINT_EVERY_S = 240.0
+STOP_CHECK_STEPS = 10             # data parallel: how often the ranks agree on stopping and saving
 LOG_FLUSH_STEPS = 50
 
 
@@ -270,6 +280,36 @@ class StopRequest:
             signal.signal(signal.SIGTERM, previous)
 
 
+def data_parallel_rank() -> tuple[int, int]:
+    """(world size, rank) of the initialised default process group, (1, 0) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def average_gradients(params: list[nn.Parameter], world: int) -> None:
+    """Replace each gradient by its mean over the ranks: one all-reduce of all of them, flattened
+    (a parameter without a gradient contributes zeros, so every rank flattens the same layout)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat)
+    flat.div_(world)
+    for p, mean in zip(params, torch._utils._unflatten_dense_tensors(flat, grads)):
+        if p.grad is None:
+            p.grad = mean
+        else:
+            p.grad.copy_(mean)
+
+
+def stop_agreed(due: bool, world: int, device: torch.device) -> bool:
+    """True on every rank once any rank's stop request is due (a time limit or SIGTERM)."""
+    if world == 1:
+        return due
+    flag = torch.tensor([1.0 if due else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def resume_dir_of(out_dir: Path) -> Path:
     return out_dir.with_name(out_dir.name + ".resume")
 
@@ -310,8 +350,14 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
 
     With `resume_dir`, continues from a saved state there and saves one every
     CHECKPOINT_EVERY_S seconds and before raising `PretrainPaused` (time limit or SIGTERM).
+    Under an initialised process group the ranks train data-parallel (module docstring).
     """
     device = next(model.parameters()).device
+    world, rank = data_parallel_rank()
+    if train_cfg.batch_size % world:
+        raise ValueError(f"pretrain.batch_size: {train_cfg.batch_size} rows do not split over {world} "
+                         "data-parallel ranks")
+    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(model, train_cfg.lr, fused=device.type == "cuda")
     use_aux = train_cfg.router_aux_loss > 0
     rows: list[dict[str, Any]] = []
@@ -332,6 +378,14 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
     pending: list[tuple[dict[str, Any], Tensor, Tensor | None]] = []   # rows whose losses are still on the device
 
     def flush() -> None:
+        if pending and world > 1:       # the logged losses are the ranks' mean (a collective: every
+            # rank flushes at the same steps)
+            values = torch.stack([torch.stack([loss.float(), aux.float() if aux is not None else loss.new_zeros(())])
+                                  for _, loss, aux in pending])
+            dist.all_reduce(values)
+            values /= world
+            pending[:] = [(row, mean[0], mean[1] if aux is not None else None)
+                          for (row, _, aux), mean in zip(pending, values)]
         for row, loss, aux in pending:
             aux_value = float(aux) if aux is not None else 0.0
             row["aux_loss"] = aux_value
@@ -343,23 +397,36 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
 
     model.train()
     bar = progress(range(first_step, train_cfg.steps), desc="pretrain", unit="step", initial=first_step,
-                   total=train_cfg.steps)
+                   total=train_cfg.steps, disable=rank != 0)
     with bar, stop.on_sigterm():        # the bar closes (a final progress record) however the loop ends
         for step in bar:
-            if resume_dir is not None and (stop.due or time.monotonic() - last_save >= CHECKPOINT_EVERY_S):
+            # ranks agree every STOP_CHECK_STEPS steps (one tiny all-reduce and host sync), so that
+            # all of them save and stop at the same step
+            due = stop_agreed(stop.due, world, device) if world == 1 or step % STOP_CHECK_STEPS == 0 else False
+            save_due = time.monotonic() - last_save >= CHECKPOINT_EVERY_S
+            if world > 1 and step % STOP_CHECK_STEPS == 0:
+                save_due = stop_agreed(save_due, world, device)
+            elif world > 1:
+                save_due = False
+            if resume_dir is not None and (due or save_due):
                 flush()
-                save_resume_state(resume_dir, model, optimizer, sampler, rows, config_hash)
+                if rank == 0:
+                    save_resume_state(resume_dir, model, optimizer, sampler, rows, config_hash)
+                if world > 1:
+                    dist.barrier()
                 last_save = time.monotonic()
-                if stop.due:
+                if due:
                     raise PretrainPaused(f"pretraining paused at step {step} of {train_cfg.steps}; "
                                          f"state in {resume_dir}; run the same command again to continue")
             lr = lr_at(step, train_cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            ids_BS = sampler.next_batch().to(device)
+            ids_BS = sampler.next_batch().chunk(world)[rank].to(device)     # this rank's share
             with autocast_for(device):
                 out = model(input_ids=ids_BS, labels=ids_BS, output_router_logits=use_aux, use_cache=False)
             out.loss.backward()
+            if world > 1:
+                average_gradients(params, world)
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -420,11 +487,16 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
         seed=cfg.seed,
         router_aux_loss=train_cfg.router_aux_loss,
     )
-    model.to("cuda" if torch.cuda.is_available() else "cpu")   # CPU results are unchanged by this line
+    world, rank = data_parallel_rank()
+    model.to(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
+    # (CPU results are unchanged by this line; under torchrun the current device is the rank's GPU)
     prep_s = time.perf_counter() - wall_start
     resume_dir = resume_dir_of(out_dir)
     rows = train(model, sampler, heldout, train_cfg, eval_every=max(1, train_cfg.steps // EVAL_POINTS),
                  resume_dir=resume_dir, config_hash=cfg.hash(), time_limit_s=time_limit_s)
+    if rank != 0:               # rank 0 measures and writes; the others wait for it
+        dist.barrier()
+        return
 
     nll, count = heldout_nll(model, heldout)
     final_ppl = math.exp(nll / count)
@@ -440,6 +512,7 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
         "epochs_started": sampler.epochs,
         "final_train_loss": rows[-1]["train_loss"] if rows else None,
         "prepare_s": prep_s,
+        "data_parallel_ranks": world,
         "train_s": rows[-1]["elapsed_s"] if rows else 0.0,
         "parameters": count_parameters(model),
     }
@@ -476,3 +549,5 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
         "mean": {k: float(np.mean([row[k] for row in per_layer])) for k in mean_keys},
         "train": train_summary,
     })
+    if world > 1:
+        dist.barrier()

@@ -133,3 +133,22 @@ def arms_before_deadline(arms, deadline: float | None, missing: list[str]):
             arms.log(arm=arm.name)
         yield arm
 
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """`K/N` (0 <= K < N) of a `--shard` flag."""
+    import argparse
+
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K/N, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"need 0 <= K < N, got {text!r}")
+    return index, count
+
+
+def shard_of(arms: list, shard: tuple[int, int]) -> list:
+    """The arms at positions k, k + n, k + 2n, ... of `arms` for `shard` = (k, n)."""
+    index, count = shard
+    return arms[index::count]

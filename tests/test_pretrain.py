@@ -126,3 +126,46 @@ def test_pretrain_rejects_bad_settings(tmp_path):
                  tmp_path, tmp_path / "m", tmp_path / "l.csv", tmp_path / "s.json")
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         pretrain(cfg, tmp_path, tmp_path / "m", tmp_path / "l.csv", tmp_path / "s.json")
+
+
+def test_data_parallel_pretraining_matches_one_process(tmp_path):
+    """Two gloo ranks, each with half of every batch and averaged gradients, train the same model
+    as one process on the whole batch (without the load-balancing loss, which is not linear in
+    the tokens); only rank 0 writes."""
+    from occult.ep.dist import run_ranks
+
+    data_dir = write_standin_data(tmp_path / "data")
+    base = small_config(steps=6)
+    cfg = dataclasses.replace(base, pretrain=dataclasses.replace(base.pretrain, router_aux_loss=0.0))
+    paths = {name: {k: tmp_path / name / k for k in ("model", "log.csv", "structure.json")} for name in ("one", "dp")}
+
+    pretrain(cfg, data_dir, *paths["one"].values())
+
+    def rank_main(rank, world):
+        pretrain(cfg, data_dir, *paths["dp"].values())
+        return rank
+
+    assert run_ranks(rank_main, 2, timeout_s=120.0) == [0, 1]
+    one_log, dp_log = (pd.read_csv(paths[n]["log.csv"]) for n in ("one", "dp"))
+    np.testing.assert_allclose(dp_log["train_loss"], one_log["train_loss"], rtol=1e-4)
+    assert json.loads((paths["dp"]["model"] / "occult_pretrain.json").read_text())["train"]["data_parallel_ranks"] == 2
+    one_model, _ = load_checkpoint(paths["one"]["model"])
+    dp_model, _ = load_checkpoint(paths["dp"]["model"])
+    for (name, a), b in zip(one_model.state_dict().items(), dp_model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    assert not list((tmp_path / "dp").glob("*.resume"))
+
+
+def test_data_parallel_pretraining_needs_a_batch_that_splits(tmp_path):
+    from occult.ep.dist import run_ranks
+
+    data_dir = write_standin_data(tmp_path / "data")
+    base = small_config(steps=2)
+    cfg = dataclasses.replace(base, pretrain=dataclasses.replace(base.pretrain, batch_size=7))
+
+    def rank_main(rank, world):
+        with pytest.raises(ValueError, match="pretrain.batch_size: 7 rows do not split over 2"):
+            pretrain(cfg, data_dir, tmp_path / "m", tmp_path / "l.csv", tmp_path / "s.json")
+        return rank
+
+    assert run_ranks(rank_main, 2, timeout_s=60.0) == [0, 1]

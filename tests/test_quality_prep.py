@@ -175,12 +175,15 @@ def test_batched_scorer_equals_hflm(micro_data, tmp_path):
 # --------------------------------------------------------------------------- the scripts, end to end
 
 
-def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path):
+@pytest.mark.parametrize("gpus", ["1", "2"])
+def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus):
+    """QUALITY_GPUS=2 on a CPU: data-parallel pre-training over 2 gloo ranks under torchrun, then
+    fine-tuning and evaluation in 2 processes, each on every other arm."""
     preset = tmp_path / "micro.yaml"
     preset.write_text(yaml.safe_dump(MICRO))
     env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python"),
            "OMP_NUM_THREADS": "1", "CARRY": str(tmp_path / "carry"), "OUT": str(tmp_path / "out"),
-           "SITE": "", "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}"}
+           "SITE": "", "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}", "QUALITY_GPUS": gpus}
     pack = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert pack.returncode == 0, pack.stderr[-3000:]
@@ -210,6 +213,9 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path):
     assert {"./model/pretrain_log.csv", "./model/router_structure.json", "./profile/profile.json",
             "./placement/expected_ct.csv", "./timings.json", "./config.yaml"} <= names
     assert not any(n.endswith((".safetensors", ".pt", ".bin")) for n in names)
+    with tarfile.open(tmp_path / "out" / "quality_results.tar.gz") as tar:
+        pretrained = json.load(tar.extractfile("./model/occult_pretrain.json"))
+    assert pretrained["train"]["data_parallel_ranks"] == int(gpus)
 
 
 # --------------------------------------------------------------------------- ShareGPT, the guard, the summary

@@ -242,6 +242,31 @@ def test_triton_layer_with_fused_plan_matches_fp32_reference_on_gpu(static):
         assert ((got.float() - want).norm() / want.norm()).item() <= 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts,top_k,ffn", [(60, 4, 1408), (64, 6, 1408), (64, 8, 1024)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_triton_layer_forward_at_the_sweep_shapes_on_one_gpu(experts, top_k, ffn, grad):
+    """Qwen1.5-MoE (60 experts, top-4), DeepSeek-MoE (64, top-6) and OLMoE expert shapes, one rank,
+    with and without autograd: the decode sweep's check failed for the first two on an H200 with
+    'vector::reserve' (results/nvidia-h200-x2/sweeps_v4), which CPU runs do not reproduce."""
+    from occult.kernels.reference import moe_dense_ref
+
+    gen = torch.Generator(device="cuda").manual_seed(experts + top_k)
+    hidden = 2048
+    for tokens in (64, 1, 8, 512):
+        placement = torch.zeros(experts, dtype=torch.long)
+        ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(top_k, dim=1).indices
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16()
+        weights = torch.rand(tokens, top_k, device="cuda", generator=gen)
+        w_gate_up = (torch.randn(experts, 2 * ffn, hidden, device="cuda", generator=gen) / hidden**0.5).bfloat16()
+        w_down = (torch.randn(experts, hidden, ffn, device="cuda", generator=gen) / ffn**0.5).bfloat16()
+        with torch.set_grad_enabled(grad):
+            y = ep_moe(x, ids, weights, placement, w_gate_up.requires_grad_(grad), w_down.requires_grad_(grad),
+                       backend="triton")
+        y_ref = moe_dense_ref(x.float(), ids, weights, w_gate_up.detach().float(), w_down.detach().float())
+        assert ((y.float() - y_ref).norm() / y_ref.norm()).item() <= 1e-2, tokens
+
+
 def test_the_fused_plan_can_be_switched_off_for_a_b_runs(monkeypatch):
     monkeypatch.setenv("OCCULT_FUSED_PLAN", "0")
     plain = get_backend("triton")

@@ -10,7 +10,9 @@
 # (plus $OUT/<phase>.log); unpack that into results/<machine>/quality_v1/ on the CPU side.
 # env: CARRY (default .carry/quality), OUT (default ./quality-out), PYTHON (default python3),
 #      PHASE_LIMIT_S (default 520: seconds per call, setup included), SITE (default /tmp/site),
-#      WORK_ROOT (default work: checkpoints and intermediates, never sent back).
+#      WORK_ROOT (default work: checkpoints and intermediates, never sent back),
+#      QUALITY_GPUS (default 1): GPUs to use; with N > 1 pre-training runs data parallel under
+#      torchrun and fine-tuning and evaluation run one process per GPU, each on every N-th arm.
 set -euo pipefail
 PHASE=${1:?usage: gpu_quality.sh pretrain|variants|evaluate|all}
 CARRY=${CARRY:-.carry/quality}
@@ -100,10 +102,32 @@ bundle() {
 }
 trap bundle EXIT
 
+GPUS=${QUALITY_GPUS:-1}
+occult_cli=("$PY" -m occult)      # torchrun's own parser needs the "--" before the stage's flags
+[ "$GPUS" -gt 1 ] && occult_cli=("$PY" -m torch.distributed.run --nproc_per_node="$GPUS" -m occult --)
+
+# one process per GPU, each on every GPUS-th arm; exit 3 (time limit) wins over 0, any other failure over both
+sharded() {
+    local pids=() rc=0 code i
+    for ((i = 0; i < GPUS; i++)); do
+        if [ "$GPUS" -gt 1 ]; then
+            CUDA_VISIBLE_DEVICES=$i "$@" --shard "$i/$GPUS" > >(sed "s/^/[gpu $i] /") 2>&1 &
+        else
+            "$@" &
+        fi
+        pids+=($!)
+    done
+    for i in "${pids[@]}"; do
+        code=0; wait "$i" || code=$?
+        if [ "$code" -ne 0 ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 3 ]; }; then rc=$code; fi
+    done
+    return $rc
+}
+
 run_pretrain() {
     [ -d "$WORK/model/base" ] && { echo "pretrain: done already"; return 0; }
     local t0=$(date +%s) rc=0
-    timeout --signal=TERM --kill-after=30 "$(left)" "$PY" -m occult pretrain --config "$CONFIG" \
+    timeout --signal=TERM --kill-after=30 "$(left)" "${occult_cli[@]}" pretrain --config "$CONFIG" \
         --data "$DATA" --out "$WORK/model/base" --log "$RES/model/pretrain_log.csv" \
         --structure "$RES/model/router_structure.json" || rc=$?
     timing pretrain $(( $(date +%s) - t0 ))
@@ -124,18 +148,18 @@ run_variants() {
         timing place $(( $(date +%s) - t0 )); t0=$(date +%s)
     fi
     local rc=0
-    timeout --kill-after=30 "$(left)" "$PY" -m occult.finetune --config "$CONFIG" --model "$WORK/model/base" --data "$DATA" --profile "$WORK/profile" \
-        --placements "$RES/placement" --out "$WORK/finetune" --logs "$RES/finetune" \
-        --time-limit $(( $(remaining) - 60 )) || rc=$?
+    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.finetune --config "$CONFIG" --model "$WORK/model/base" \
+        --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" --out "$WORK/finetune" \
+        --logs "$RES/finetune" --time-limit $(( $(remaining) - 60 )) || rc=$?
     timing finetune $(( $(date +%s) - t0 ))
     return $rc
 }
 
 run_evaluate() {
     local t0=$(date +%s) rc=0
-    timeout --kill-after=30 "$(left)" "$PY" -m occult.evaluate --config "$CONFIG" --model "$WORK/model/base" --arms "$WORK/finetune" --data "$DATA" \
-        --profile "$WORK/profile" --placements "$RES/placement" --out "$RES/evaluate" \
-        --time-limit $(( $(remaining) - 90 )) ${EVAL_LIMIT:+--limit $EVAL_LIMIT} || rc=$?
+    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.evaluate --config "$CONFIG" --model "$WORK/model/base" \
+        --arms "$WORK/finetune" --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" \
+        --out "$RES/evaluate" --time-limit $(( $(remaining) - 90 )) ${EVAL_LIMIT:+--limit $EVAL_LIMIT} || rc=$?
     timing evaluate $(( $(date +%s) - t0 ))
     return $rc
 }

@@ -23,7 +23,7 @@ for kind in $kinds; do
       echo "== sweep $kind D=$D methods: ${groups[$g]} ($(date -u +%T))"
       timeout 900 torchrun --nproc_per_node="$D" -m occult.sweep --kind "$kind" --shapes olmoe qwen deepseek \
         --methods ${groups[$g]} --repeats 20 --warmup 5 --timeout-s 120 \
-        --out "$part" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -25
+        --out "$part" 2>&1 | tee "$part.log" | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -25
       [ -f "$part" ] && parts+=("$part")
     done
     python3 - "$out/sweep_${kind}_D${D}.csv" "${parts[@]}" <<'PY'
