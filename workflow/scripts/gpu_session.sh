@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
-# One 2-GPU device session for issues 3, 4 and 5, run detached and polled by back-to-back calls.
+# One 2-GPU device session for issues 3, 4 and 5, run detached and polled by back-to-back calls
+# (docs/deploy.md, "A device session"):
 #   gpu_session.sh start          copy this checkout (with .carry/ and .thirdparty/) to /tmp/occ and
 #                                 start the runner with setsid; later calls need carry nothing
 #   gpu_session.sh poll SECONDS   wait up to SECONDS (or until the runner is done), print progress,
 #                                 and put everything measured so far into $OUT/session.tgz
-#   gpu_session.sh run            the runner itself, against one deadline (SESSION_BUDGET_S, 1440),
-#                                 stages SESSION_STAGES (default "A B"):
-#     A. both GPUs (until SESSION_A_S, 600): the bf16 GPU tests, the EP runtime's benchmark
-#        (gpu_ep_bench.sh), the D=2 training sweep with every baseline, and a D=2 prefill sweep of
-#        Occult, MegaBlocks and Tutel on the Qwen and DeepSeek shapes. Baselines build on the CPU
-#        meanwhile (build_baselines.sh with the cached wheels, Tutel from its carried source).
-#     B. one GPU each: the quality study (gpu_quality.sh pretrain, variants, evaluate) on GPU 0;
-#        the D=1 sweeps SESSION_D1_KINDS (default "train decode"), then the kernel config sweep
-#        (gpu_tune.sh, unless SESSION_TUNE=0) on GPU 1, its torchrun on another port.
+#   gpu_session.sh run            the runner itself, against one deadline (SESSION_BUDGET_S, 1440 s
+#                                 after it starts), stages SESSION_STAGES in order (default "A Q D1"):
+#     A.  all GPUs, until SESSION_A_S (600): the bf16 GPU tests, the EP runtime's benchmark
+#         (gpu_ep_bench.sh), the D=2 training sweep with every baseline, and a D=2 prefill sweep
+#         of Occult, MegaBlocks and Tutel on the Qwen and DeepSeek shapes. Baselines build on the
+#         CPU meanwhile (build_baselines.sh with the cached wheels, Tutel from its carried source).
+#     Q.  all GPUs: the quality study (gpu_quality.sh pretrain, variants, evaluate with
+#         QUALITY_GPUS = the GPUs present), leaving SESSION_D1_S (0) seconds for D1.
+#     D1. GPU 0: the D=1 sweeps SESSION_D1_KINDS (default "train decode"), then the kernel config
+#         sweep (gpu_tune.sh) unless SESSION_TUNE=0.
+#     B.  instead of Q and D1: the quality study on GPU 0 beside D1 on GPU 1 (its torchrun on
+#         another port).
 # Carried inputs: .carry/quality (pack_quality.sh), .carry/trace/routing_heldout.npz,
 # .thirdparty/sdist (MegaBlocks, stk, grouped_gemm sdists, tutel-*.tar.gz), .thirdparty/wheels.
 set -uo pipefail
@@ -47,7 +51,7 @@ run)
       ( cd /tmp/occult-tutel/*/ && python3 -m pip install -q --no-deps --no-build-isolation --no-index . ) \
         && python3 -c 'import tutel; print("import tutel: ok")' || echo "tutel: FAILED to install" ) > "$R/build.log" 2>&1 &
     build=$!
-    stages=${SESSION_STAGES:-A B}
+    stages=${SESSION_STAGES:-A Q D1}
     if [[ " $stages " == *" A "* ]]; then
     stamp "A: GPU tests"
     timeout 240 python3 -m pytest tests/kernels tests/ep -m gpu -q -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
@@ -70,25 +74,37 @@ run)
     fi
     # a stage-A command stopped by its deadline can leave ranks behind, holding a GPU and port 29500
     pkill -f "occult.sweep|occult.ep.profile_gpu|torchrun" 2>/dev/null; sleep 2
-    [[ " $stages " == *" B "* ]] || { stamp "runner done"; touch "$R/done"; exit 0; }
     wait $build 2>/dev/null
-    stamp "B: quality on GPU 0; D=1 sweeps and the kernel config sweep on GPU 1"
-    (
-        export CUDA_VISIBLE_DEVICES=0 WORK_ROOT=/tmp/quality-work OUT=$R/quality
+    quality() {     # gpu_quality.sh's three phases until the deadline $1, on QUALITY_GPUS GPUs
+        local until=$1 phase
         for phase in pretrain variants evaluate; do
-            [ "$(left $END)" -gt 30 ] || { echo "quality: no time left for $phase"; break; }
-            PHASE_LIMIT_S=$(left $END) bash $here/gpu_quality.sh $phase > /dev/null 2>&1 || { echo "quality $phase: exit $?"; break; }
+            [ "$(left $until)" -gt 30 ] || { echo "quality: no time left for $phase"; return 3; }
+            WORK_ROOT=/tmp/quality-work OUT=$R/quality PHASE_LIMIT_S=$(left $until) \
+                bash $here/gpu_quality.sh $phase > /dev/null 2>&1 || { echo "quality $phase: exit $?"; return 3; }
             echo "quality $phase: done at +$(( $(date +%s) - T0 ))s"
         done
-    ) &
-    quality=$!
-    (
-        export CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29611
-        timeout "$(left $END)" env SWEEP_DS=1 bash $here/gpu_sweeps.sh "$R/sweeps" ${SESSION_D1_KINDS:-train decode} > "$R/sweeps_D1.log" 2>&1
-        [ "${SESSION_TUNE:-1}" = 1 ] && [ "$(left $END)" -gt 120 ] && TUNE_LIMIT_S=$(( $(left $END) - 100 )) timeout "$(left $END)" \
-            bash $here/gpu_tune.sh "$R/tune" > "$R/tune_run.log" 2>&1
-        echo "GPU 1 lane: done at +$(( $(date +%s) - T0 ))s"
-    ) &
-    wait $quality; wait
+    }
+    d1_lane() {     # D=1 sweeps, then the config sweep, until the deadline $1 (on the visible GPU)
+        local until=$1
+        timeout "$(left $until)" env SWEEP_DS=1 bash $here/gpu_sweeps.sh "$R/sweeps" ${SESSION_D1_KINDS:-train decode} \
+            > "$R/sweeps_D1.log" 2>&1
+        [ "${SESSION_TUNE:-1}" = 1 ] && [ "$(left $until)" -gt 120 ] && TUNE_LIMIT_S=$(( $(left $until) - 100 )) \
+            timeout "$(left $until)" bash $here/gpu_tune.sh "$R/tune" > "$R/tune_run.log" 2>&1
+        echo "D=1 lane: done at +$(( $(date +%s) - T0 ))s"
+    }
+    if [[ " $stages " == *" Q "* ]]; then
+        stamp "Q: quality on all $(nvidia-smi -L | wc -l) GPUs"
+        QUALITY_GPUS=$(nvidia-smi -L | wc -l) quality $(( END - ${SESSION_D1_S:-0} ))
+    fi
+    if [[ " $stages " == *" D1 "* ]] && [ "$(left $END)" -gt 60 ]; then
+        stamp "D1: D=1 sweeps and the kernel config sweep on GPU 0"
+        CUDA_VISIBLE_DEVICES=0 d1_lane $END
+    fi
+    if [[ " $stages " == *" B "* ]]; then
+        stamp "B: quality on GPU 0; D=1 sweeps and the kernel config sweep on GPU 1"
+        CUDA_VISIBLE_DEVICES=0 QUALITY_GPUS=1 quality $END &
+        CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29611 d1_lane $END &
+        wait
+    fi
     stamp "runner done"; touch "$R/done" ;;
 esac
