@@ -6,13 +6,14 @@
 #   gpu_session.sh poll SECONDS   wait up to SECONDS (or until the runner is done), print progress,
 #                                 and put everything measured so far into $OUT/session.tgz
 #   gpu_session.sh run            the runner itself, against one deadline (SESSION_BUDGET_S, 1440 s
-#                                 after it starts), stages SESSION_STAGES in order (default "A Q D1"):
-#     A.  all GPUs, until SESSION_A_S (600): the bf16 GPU tests, the EP runtime's benchmark
+#                                 after it starts), stages SESSION_STAGES in the order given
+#                                 (default "A Q D1"):
+#     A.  all GPUs, for at most SESSION_A_S (600): the bf16 GPU tests, the EP runtime's benchmark
 #         (gpu_ep_bench.sh), the D=2 training sweep with every baseline, and a D=2 prefill sweep
 #         of Occult, MegaBlocks and Tutel on the Qwen and DeepSeek shapes. Baselines build on the
 #         CPU meanwhile (build_baselines.sh with the cached wheels, Tutel from its carried source).
-#     Q.  all GPUs: the quality study (gpu_quality.sh pretrain, variants, evaluate with
-#         QUALITY_GPUS = the GPUs present), leaving SESSION_D1_S (0) seconds for D1.
+#     Q.  all GPUs, for at most SESSION_Q_S: the quality study (gpu_quality.sh pretrain, variants,
+#         evaluate with QUALITY_GPUS = the GPUs present), leaving SESSION_D1_S (0) seconds for D1.
 #     D1. GPU 0: the D=1 sweeps SESSION_D1_KINDS (default "train decode"), then the kernel config
 #         sweep (gpu_tune.sh) unless SESSION_TUNE=0.
 #     B.  instead of Q and D1: the quality study on GPU 0 beside D1 on GPU 1 (its torchrun on
@@ -25,6 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 stamp() { echo "[$(date -u +%T) +$(( $(date +%s) - T0 ))s] $*"; }
 left() { echo $(( $1 - $(date +%s) )); }
+deadline() { local at=$(( $(date +%s) + $1 )); echo $(( at < $2 ? at : $2 )); }   # now + $1, at most $2
 
 case "${1:?usage: gpu_session.sh start|poll SECONDS|run}" in
 start)
@@ -39,7 +41,7 @@ poll)
     cp "$S/runner.log" "$R/runner.log" 2>/dev/null
     tar -C "$R" --exclude=wheels -czf "$OUT/session.tgz" . && tail -40 "$S/runner.log" ;;
 run)
-    T0=$(date +%s); END=$(( T0 + ${SESSION_BUDGET_S:-1440} )); A_END=$(( T0 + ${SESSION_A_S:-600} ))
+    T0=$(date +%s); END=$(( T0 + ${SESSION_BUDGET_S:-1440} ))
     export OCCULT_COMMIT=$(cat .carry/quality/COMMIT 2>/dev/null || echo unknown)
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
       python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
@@ -51,30 +53,30 @@ run)
       ( cd /tmp/occult-tutel/*/ && python3 -m pip install -q --no-deps --no-build-isolation --no-index . ) \
         && python3 -c 'import tutel; print("import tutel: ok")' || echo "tutel: FAILED to install" ) > "$R/build.log" 2>&1 &
     build=$!
-    stages=${SESSION_STAGES:-A Q D1}
-    if [[ " $stages " == *" A "* ]]; then
-    stamp "A: GPU tests"
-    timeout 240 python3 -m pytest tests/kernels tests/ep -m gpu -q -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
-    tail -2 "$R/gpu_tests.log"
-    wait $build; tail -3 "$R/build.log"
-    stamp "A: EP runtime benchmark"
-    timeout "$(left $A_END)" bash $here/gpu_ep_bench.sh "$R/ep" "$trace"
-    if [ "$(left $A_END)" -gt 60 ]; then
-        stamp "A: D=2 training sweep"
-        timeout "$(left $A_END)" env SWEEP_DS=2 bash $here/gpu_sweeps.sh "$R/sweeps" train
-    fi
-    mkdir -p "$R/sweeps/parts"
-    for group in "occult occult-graph naive megablocks" "tutel"; do
-        [ "$(left $A_END)" -gt 30 ] || break
-        stamp "A: D=2 prefill, Qwen and DeepSeek: $group"
-        timeout "$(left $A_END)" torchrun --nproc_per_node=2 -m occult.sweep --kind prefill --shapes qwen deepseek \
-            --methods $group --sizes 1024 4096 16384 --repeats 20 --warmup 5 --timeout-s 120 \
-            --out "$R/sweeps/parts/prefill_qwen_deepseek_D2_${group%% *}.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -12
-    done
-    fi
-    # a stage-A command stopped by its deadline can leave ranks behind, holding a GPU and port 29500
-    pkill -f "occult.sweep|occult.ep.profile_gpu|torchrun" 2>/dev/null; sleep 2
-    wait $build 2>/dev/null
+    stage_A() {     # EP benchmark and baselines on all GPUs, until the deadline $1
+        local until=$1 group
+        stamp "A: GPU tests"
+        timeout 300 python3 -m pytest tests/kernels tests/ep -m gpu -q -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
+        tail -2 "$R/gpu_tests.log"
+        wait $build 2>/dev/null; tail -3 "$R/build.log"
+        stamp "A: EP runtime benchmark"
+        timeout "$(left $until)" bash $here/gpu_ep_bench.sh "$R/ep" "$trace"
+        if [ "$(left $until)" -gt 60 ]; then
+            stamp "A: D=2 training sweep"
+            timeout "$(left $until)" env SWEEP_DS=2 bash $here/gpu_sweeps.sh "$R/sweeps" train
+        fi
+        mkdir -p "$R/sweeps/parts"
+        for group in "occult occult-graph naive megablocks" "tutel"; do
+            [ "$(left $until)" -gt 30 ] || break
+            stamp "A: D=2 prefill, Qwen and DeepSeek: $group"
+            local part="$R/sweeps/parts/prefill_qwen_deepseek_D2_${group%% *}.csv"
+            timeout "$(left $until)" torchrun --nproc_per_node=2 -m occult.sweep --kind prefill --shapes qwen deepseek \
+                --methods $group --sizes 1024 4096 16384 --repeats 20 --warmup 5 --timeout-s 120 --out "$part" 2>&1 \
+                | tee "$part.log" | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -12
+        done
+        # a command stopped by the deadline can leave ranks behind, holding a GPU and port 29500
+        pkill -f "occult.sweep|occult.ep.profile_gpu|torchrun" 2>/dev/null; sleep 2
+    }
     quality() {     # gpu_quality.sh's three phases until the deadline $1, on QUALITY_GPUS GPUs
         local until=$1 phase
         for phase in pretrain variants evaluate; do
@@ -86,25 +88,28 @@ run)
     }
     d1_lane() {     # D=1 sweeps, then the config sweep, until the deadline $1 (on the visible GPU)
         local until=$1
+        wait $build 2>/dev/null
         timeout "$(left $until)" env SWEEP_DS=1 bash $here/gpu_sweeps.sh "$R/sweeps" ${SESSION_D1_KINDS:-train decode} \
             > "$R/sweeps_D1.log" 2>&1
         [ "${SESSION_TUNE:-1}" = 1 ] && [ "$(left $until)" -gt 120 ] && TUNE_LIMIT_S=$(( $(left $until) - 100 )) \
             timeout "$(left $until)" bash $here/gpu_tune.sh "$R/tune" > "$R/tune_run.log" 2>&1
         echo "D=1 lane: done at +$(( $(date +%s) - T0 ))s"
     }
-    if [[ " $stages " == *" Q "* ]]; then
-        stamp "Q: quality on all $(nvidia-smi -L | wc -l) GPUs"
-        QUALITY_GPUS=$(nvidia-smi -L | wc -l) quality $(( END - ${SESSION_D1_S:-0} ))
-    fi
-    if [[ " $stages " == *" D1 "* ]] && [ "$(left $END)" -gt 60 ]; then
-        stamp "D1: D=1 sweeps and the kernel config sweep on GPU 0"
-        CUDA_VISIBLE_DEVICES=0 d1_lane $END
-    fi
-    if [[ " $stages " == *" B "* ]]; then
-        stamp "B: quality on GPU 0; D=1 sweeps and the kernel config sweep on GPU 1"
-        CUDA_VISIBLE_DEVICES=0 QUALITY_GPUS=1 quality $END &
-        CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29611 d1_lane $END &
-        wait
-    fi
+    gpus=$(nvidia-smi -L | wc -l)
+    for stage in ${SESSION_STAGES:-A Q D1}; do
+        [ "$(left $END)" -gt 60 ] || { stamp "no time left for stage $stage"; break; }
+        case "$stage" in
+            A) stage_A "$(deadline "${SESSION_A_S:-600}" $END)" ;;
+            Q) stamp "Q: quality on all $gpus GPUs"
+               QUALITY_GPUS=$gpus quality "$(deadline "${SESSION_Q_S:-100000}" $(( END - ${SESSION_D1_S:-0} )))" ;;
+            D1) stamp "D1: D=1 sweeps and the kernel config sweep on GPU 0"
+                CUDA_VISIBLE_DEVICES=0 d1_lane $END ;;
+            B) stamp "B: quality on GPU 0; D=1 sweeps and the kernel config sweep on GPU 1"
+               CUDA_VISIBLE_DEVICES=0 QUALITY_GPUS=1 quality $END &
+               CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29611 d1_lane $END &
+               wait ;;
+            *) stamp "unknown stage $stage (A Q D1 B)" ;;
+        esac
+    done
     stamp "runner done"; touch "$R/done" ;;
 esac
