@@ -32,3 +32,11 @@ def test_bad_config_stops_before_any_job(override, field):
     out = dry_run("--config", override)
     assert out.returncode != 0
     assert field in out.stderr + out.stdout
+
+
+def test_every_workflow_script_parses_as_bash():
+    scripts = sorted((REPO / "workflow" / "scripts").glob("*.sh"))
+    assert len(scripts) >= 8
+    for script in scripts:
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{script.name}: {result.stderr}"
