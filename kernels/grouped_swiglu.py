@@ -162,9 +162,7 @@ def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dty
                 shape: tuple[int, int] | None = None) -> None:
     """Launch `kernel` with the fixed, forced or measured config for (dtype, size, (D, F) = `shape`),
     or its autotuned wrapper `tuned`. The device is that of the first tensor argument."""
-    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-    if not consts.get("GRADS_READY", True):
-        shape = None          # the measured backward configs are those of the materialized mode
+    device = args[0].device if shape is not None else None
     meta = fixed_gemm_meta(dtype, num_pairs, kernel_name(kernel), shape, device)
     if meta is None:
         tuned[grid](*args, **consts)
@@ -558,6 +556,8 @@ def grouped_swiglu_backward(
     ready = bwd_mode == "materialized" and num_pairs > 0 and (need_dx or need_dw)
     if ready:      # the GEMMs read [dg | du] through the pre-activation arguments
         preact_M2F = swiglu_preact_grad(dh_MF, preact_M2F, x_RD.dtype)
+    # TUNED_GEMM_META's backward configs were measured in the materialised mode only
+    measured_shape = (hidden, ffn) if ready else None
     if need_dx:
         if num_pairs == 0 or ffn == 0 or hidden == 0:
             dx_RD = torch.zeros_like(x_RD, memory_format=torch.contiguous_format)
@@ -580,7 +580,7 @@ def grouped_swiglu_backward(
                 return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
             launch_gemm(_swiglu_bwd_dx_tuned, _swiglu_bwd_dx_kernel, grid_dx, args, consts, x_RD.dtype, num_pairs,
-                        (hidden, ffn))
+                        measured_shape)
             if scatter_rows:
                 dx_RD = dxp_MD
             elif row_pairs_RK is not None:
@@ -603,7 +603,7 @@ def grouped_swiglu_backward(
                 return (num_experts * triton.cdiv(ffn, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
             launch_gemm(_swiglu_bwd_dw_tuned, _swiglu_bwd_dw_kernel, grid_dw, args,
-                        dict(PRECISION=precision, GRADS_READY=ready), x_RD.dtype, num_pairs, (hidden, ffn))
+                        dict(PRECISION=precision, GRADS_READY=ready), x_RD.dtype, num_pairs, measured_shape)
     return dx_RD, dw_E2FD
 
 

@@ -301,13 +301,13 @@ def average_gradients(params: list[nn.Parameter], world: int) -> None:
             p.grad.copy_(mean)
 
 
-def stop_agreed(due: bool, world: int, device: torch.device) -> bool:
-    """True on every rank once any rank's stop request is due (a time limit or SIGTERM)."""
+def flags_agreed(world: int, device: torch.device, *flags: bool) -> list[bool]:
+    """Each flag, true on every rank once it is true on any rank (one all-reduce for all)."""
     if world == 1:
-        return due
-    flag = torch.tensor([1.0 if due else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+        return list(flags)
+    values = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]
 
 
 def resume_dir_of(out_dir: Path) -> Path:
@@ -400,14 +400,12 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
                    total=train_cfg.steps, disable=rank != 0)
     with bar, stop.on_sigterm():        # the bar closes (a final progress record) however the loop ends
         for step in bar:
-            # ranks agree every STOP_CHECK_STEPS steps (one tiny all-reduce and host sync), so that
-            # all of them save and stop at the same step
-            due = stop_agreed(stop.due, world, device) if world == 1 or step % STOP_CHECK_STEPS == 0 else False
-            save_due = time.monotonic() - last_save >= CHECKPOINT_EVERY_S
-            if world > 1 and step % STOP_CHECK_STEPS == 0:
-                save_due = stop_agreed(save_due, world, device)
-            elif world > 1:
-                save_due = False
+            # data parallel: the ranks agree every STOP_CHECK_STEPS steps (one tiny all-reduce and
+            # host sync), so that all of them save and stop at the same step
+            due = save_due = False
+            if world == 1 or step % STOP_CHECK_STEPS == 0:
+                due, save_due = flags_agreed(world, device, stop.due,
+                                             time.monotonic() - last_save >= CHECKPOINT_EVERY_S)
             if resume_dir is not None and (due or save_due):
                 flush()
                 if rank == 0:

@@ -134,7 +134,6 @@ def arms_before_deadline(arms, deadline: float | None, missing: list[str]):
         yield arm
 
 
-
 def parse_shard(text: str) -> tuple[int, int]:
     """`K/N` (0 <= K < N) of a `--shard` flag."""
     import argparse
