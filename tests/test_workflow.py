@@ -40,3 +40,12 @@ def test_every_workflow_script_parses_as_bash():
     for script in scripts:
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert result.returncode == 0, f"{script.name}: {result.stderr}"
+
+
+@pytest.mark.parametrize("visible, expected", [("2,3", "2"), ("0,1,2,3", "4"), ("1", "1")])
+def test_gpu_scripts_count_only_the_visible_gpus(visible, expected):
+    """A lane confined by CUDA_VISIBLE_DEVICES must not size its torchrun from nvidia-smi's whole host."""
+    script = f'. {REPO / "workflow/scripts/common.sh"}; visible_gpus'
+    out = subprocess.run(["bash", "-c", script], env={"CUDA_VISIBLE_DEVICES": visible, "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == expected

@@ -10,7 +10,8 @@ set -uo pipefail
 out=${1:?usage: gpu_ep_bench.sh OUTDIR ROUTING_NPZ}; trace=${2:?routing_heldout.npz of occult.profiling}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-gpus=$(nvidia-smi -L | wc -l)
+. "$(dirname "$0")/common.sh"
+gpus=$(visible_gpus)
 methods="occult occult-pe occult-trivial occult-static occult-graph occult-nd2 occult-nd1 occult-compute"
 python3 - "$out/peak.csv" <<'PY'
 import sys, statistics, torch

@@ -107,11 +107,13 @@ occult_cli=("$PY" -m occult)      # torchrun's own parser needs the "--" before 
 [ "$GPUS" -gt 1 ] && occult_cli=("$PY" -m torch.distributed.run --nproc_per_node="$GPUS" -m occult --)
 
 # one process per GPU, each on every GPUS-th arm; exit 3 (time limit) wins over 0, any other failure over both
+# (the i-th GPU of an inherited CUDA_VISIBLE_DEVICES, so a lane confined to GPUs 2,3 stays there)
 sharded() {
-    local pids=() rc=0 code i
+    local pids=() rc=0 code i devices
+    IFS=, read -r -a devices <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS - 1)))}"
     for ((i = 0; i < GPUS; i++)); do
         if [ "$GPUS" -gt 1 ]; then
-            CUDA_VISIBLE_DEVICES=$i "$@" --shard "$i/$GPUS" > >(sed "s/^/[gpu $i] /") 2>&1 &
+            CUDA_VISIBLE_DEVICES=${devices[$i]} "$@" --shard "$i/$GPUS" > >(sed "s/^/[gpu ${devices[$i]}] /") 2>&1 &
         else
             "$@" &
         fi

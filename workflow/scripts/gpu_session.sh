@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One 2-GPU device session for issues 3, 4 and 5, run detached and polled by back-to-back calls
+# One device session (2 or more GPUs) for issues 3, 4, 5 and 8, run detached and polled by back-to-back calls
 # (docs/deploy.md, "A device session"):
 #   gpu_session.sh start          copy this checkout (with .carry/ and .thirdparty/) to /tmp/occ and
 #                                 start the runner with setsid; later calls need carry nothing
@@ -8,7 +8,7 @@
 #   gpu_session.sh run            the runner itself, against one deadline (SESSION_BUDGET_S, 1440 s
 #                                 after it starts), stages SESSION_STAGES in the order given
 #                                 (default "A Q D1"):
-#     A.  all GPUs, for at most SESSION_A_S (600): the bf16 GPU tests, the EP runtime's benchmark
+#     A.  GPUs 0 and 1, for at most SESSION_A_S (600): the bf16 GPU tests, the EP runtime's benchmark
 #         (gpu_ep_bench.sh), the D=2 training sweep with every baseline, and a D=2 prefill sweep
 #         of Occult, MegaBlocks and Tutel on the Qwen and DeepSeek shapes. Baselines build on the
 #         CPU meanwhile (build_baselines.sh with the cached wheels, Tutel from its carried source).
@@ -18,9 +18,13 @@
 #         sweep (gpu_tune.sh) unless SESSION_TUNE=0.
 #     B.  instead of Q and D1: the quality study on GPU 0 beside D1 on GPU 1 (its torchrun on
 #         another port).
+#     DN. all N GPUs, for at most SESSION_DN_S (480): the prefill (SESSION_DN_SIZES, default 2^10,
+#         2^12, 2^14, 2^16 tokens per GPU) and training sweeps at D = N with every baseline, then the
+#         all-to-all and grouped-GEMM curves at D = N (occult.commbench) with the time left (issue 8).
 # Carried inputs: .carry/quality (pack_quality.sh), .carry/trace/routing_heldout.npz,
 # .thirdparty/sdist (MegaBlocks, stk, grouped_gemm sdists, tutel-*.tar.gz), .thirdparty/wheels.
 set -uo pipefail
+. "$(dirname "$0")/common.sh"
 ROOT=/tmp/occ; S=/tmp/occ-session; R=$S/out
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 
@@ -95,20 +99,36 @@ run)
             timeout "$(left $until)" bash $here/gpu_tune.sh "$R/tune" > "$R/tune_run.log" 2>&1
         echo "D=1 lane: done at +$(( $(date +%s) - T0 ))s"
     }
-    gpus=$(nvidia-smi -L | wc -l)
+    dn_stage() {    # the sweeps at D = every GPU, then the communication curves, until the deadline $1
+        local until=$1 D=$gpus
+        wait $build 2>/dev/null; tail -3 "$R/build.log"
+        timeout "$(left $until)" env SWEEP_DS=$D SWEEP_PREFILL_SIZES="${SESSION_DN_SIZES:-1024 4096 16384 65536}" \
+            SWEEP_GROUP_S=300 bash $here/gpu_sweeps.sh "$R/sweeps_D$D" prefill train > "$R/sweeps_D$D.log" 2>&1
+        grep "^== " "$R/sweeps_D$D.log"
+        if [ "$(left $until)" -gt 60 ]; then
+            stamp "DN: all-to-all and grouped-GEMM curves at D=$D"
+            timeout "$(left $until)" torchrun --nproc_per_node="$D" -m occult.commbench --out "$R/comm_D$D" \
+                > "$R/comm_D$D.log" 2>&1 || echo "commbench: exit $?"
+        fi
+        pkill -f "occult.sweep|occult.commbench" 2>/dev/null; sleep 2
+    }
+    gpus=$(visible_gpus)
     for stage in ${SESSION_STAGES:-A Q D1}; do
         [ "$(left $END)" -gt 60 ] || { stamp "no time left for stage $stage"; break; }
         case "$stage" in
-            A) stage_A "$(deadline "${SESSION_A_S:-600}" $END)" ;;
+            A) stamp "A: on GPUs 0,1 (D=2)"     # issue 3's and 4's D=2 numbers, also on a bigger machine
+               CUDA_VISIBLE_DEVICES=0,1 stage_A "$(deadline "${SESSION_A_S:-600}" $END)" ;;
             Q) stamp "Q: quality on all $gpus GPUs"
                QUALITY_GPUS=$gpus quality "$(deadline "${SESSION_Q_S:-100000}" $(( END - ${SESSION_D1_S:-0} )))" ;;
             D1) stamp "D1: D=1 sweeps and the kernel config sweep on GPU 0"
                 CUDA_VISIBLE_DEVICES=0 d1_lane $END ;;
+            DN) stamp "DN: sweeps at D=$gpus"
+                dn_stage "$(deadline "${SESSION_DN_S:-480}" $END)" ;;
             B) stamp "B: quality on GPU 0; D=1 sweeps and the kernel config sweep on GPU 1"
                CUDA_VISIBLE_DEVICES=0 QUALITY_GPUS=1 quality $END &
                CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29611 d1_lane $END &
                wait ;;
-            *) stamp "unknown stage $stage (A Q D1 B)" ;;
+            *) stamp "unknown stage $stage (A Q D1 B DN)" ;;
         esac
     done
     stamp "runner done"; touch "$R/done" ;;

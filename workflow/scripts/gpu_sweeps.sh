@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The latency sweeps of one MoE layer on the GPUs of this machine, every method in the same run.
 # Usage: workflow/scripts/gpu_sweeps.sh OUTDIR [KIND ...]   (KIND: prefill decode train; default all)
-# SWEEP_DS (default "2 1"): the expert-parallel degrees to run, each ≤ the GPUs present.
+# SWEEP_DS (default "2 1"): the expert-parallel degrees to run, each ≤ the GPUs present (counted
+#   from CUDA_VISIBLE_DEVICES when it is set).
+# SWEEP_PREFILL_SIZES (default: occult.sweep's 2^10 … 2^16): tokens per GPU of the prefill kind.
+# SWEEP_GROUP_S (default 900): time limit of each group's torchrun.
 # Builds nothing: run workflow/scripts/build_baselines.sh first for MegaBlocks (Tutel: its own
 # install); missing baselines produce rows that say so.
 set -uo pipefail
@@ -9,9 +12,10 @@ out=${1:?usage: gpu_sweeps.sh OUTDIR [KIND ...]}; shift
 kinds=${*:-prefill train decode}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-gpus=$(nvidia-smi -L | wc -l)
+. "$(dirname "$0")/common.sh"
+gpus=$(visible_gpus)
 # Tutel runs in a process of its own: at 2^16 tokens it has hit an illegal memory access, which
-# ends the CUDA context of the process (results/nvidia-h200/README.md).
+# ends the CUDA context of the process (results/nvidia-h200/README.md), so its prefill stops at 2^14.
 groups=("occult occult-graph occult-nd2 occult-nd1 naive megablocks hf fsdp" "tutel")
 for kind in $kinds; do
   for D in ${SWEEP_DS:-2 1}; do
@@ -21,8 +25,15 @@ for kind in $kinds; do
       part="$out/parts/sweep_${kind}_D${D}_group${g}.csv"
       mkdir -p "$out/parts"
       echo "== sweep $kind D=$D methods: ${groups[$g]} ($(date -u +%T))"
-      timeout 900 torchrun --nproc_per_node="$D" -m occult.sweep --kind "$kind" --shapes olmoe qwen deepseek \
-        --methods ${groups[$g]} --repeats 20 --warmup 5 --timeout-s 120 \
+      sizes=()
+      if [ "$kind" = prefill ]; then
+        sizes=(--sizes)
+        for n in ${SWEEP_PREFILL_SIZES:-1024 2048 4096 8192 16384 32768 65536}; do
+          [ "$g" = 1 ] && [ "$n" -gt 16384 ] || sizes+=("$n")
+        done
+      fi
+      timeout "${SWEEP_GROUP_S:-900}" torchrun --nproc_per_node="$D" -m occult.sweep --kind "$kind" \
+        --shapes olmoe qwen deepseek --methods ${groups[$g]} "${sizes[@]}" --repeats 20 --warmup 5 --timeout-s 120 \
         --out "$part" 2>&1 | tee "$part.log" | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -25
       [ -f "$part" ] && parts+=("$part")
     done
