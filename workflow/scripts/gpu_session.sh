@@ -18,6 +18,8 @@
 #         sweep (gpu_tune.sh) unless SESSION_TUNE=0.
 #     B.  instead of Q and D1: the quality study on GPU 0 beside D1 on GPU 1 (its torchrun on
 #         another port).
+#     P.  all GPUs, for at most SESSION_P_S (420): the quality study's data-parallel pre-training.
+#     L.  on 4 GPUs: stage A on GPUs 0,1 beside the quality study's remaining phases on GPUs 2,3.
 #     DN. all N GPUs, for at most SESSION_DN_S (480): the prefill (SESSION_DN_SIZES, default 2^10,
 #         2^12, 2^14, 2^16 tokens per GPU) and training sweeps at D = N with every baseline, then the
 #         all-to-all and grouped-GEMM curves at D = N (occult.commbench) with the time left (issue 8).
@@ -64,7 +66,7 @@ run)
         tail -2 "$R/gpu_tests.log"
         wait $build 2>/dev/null; tail -3 "$R/build.log"
         stamp "A: EP runtime benchmark"
-        timeout "$(left $until)" bash $here/gpu_ep_bench.sh "$R/ep" "$trace"
+        timeout "$(left $until)" env EP_BENCH_AB=0 EP_BENCH_PROFILES=16384 bash $here/gpu_ep_bench.sh "$R/ep" "$trace"
         if [ "$(left $until)" -gt 60 ]; then
             stamp "A: D=2 training sweep"
             timeout "$(left $until)" env SWEEP_DS=2 bash $here/gpu_sweeps.sh "$R/sweeps" train
@@ -79,11 +81,12 @@ run)
                 | tee "$part.log" | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -12
         done
         # a command stopped by the deadline can leave ranks behind, holding a GPU and port 29500
-        pkill -f "occult.sweep|occult.ep.profile_gpu|torchrun" 2>/dev/null; sleep 2
+        # (the pattern matches each torchrun's own command line too, and never the quality lane's)
+        pkill -f "occult.sweep|occult.ep.profile_gpu" 2>/dev/null; sleep 2
     }
     quality() {     # gpu_quality.sh's three phases until the deadline $1, on QUALITY_GPUS GPUs
         local until=$1 phase
-        for phase in pretrain variants evaluate; do
+        for phase in ${QUALITY_PHASES:-pretrain variants evaluate}; do
             [ "$(left $until)" -gt 30 ] || { echo "quality: no time left for $phase"; return 3; }
             WORK_ROOT=/tmp/quality-work OUT=$R/quality PHASE_LIMIT_S=$(left $until) \
                 bash $here/gpu_quality.sh $phase > /dev/null 2>&1 || { echo "quality $phase: exit $?"; return 3; }
@@ -124,11 +127,17 @@ run)
                 CUDA_VISIBLE_DEVICES=0 d1_lane $END ;;
             DN) stamp "DN: sweeps at D=$gpus"
                 dn_stage "$(deadline "${SESSION_DN_S:-480}" $END)" ;;
+            P) stamp "P: quality pre-training, data parallel on all $gpus GPUs"
+               QUALITY_PHASES=pretrain QUALITY_GPUS=$gpus quality "$(deadline "${SESSION_P_S:-420}" $END)" ;;
+            L) stamp "L: stage A on GPUs 0,1 beside the rest of the quality study on GPUs 2,3"
+               CUDA_VISIBLE_DEVICES=0,1 stage_A "$(deadline "${SESSION_A_S:-600}" $END)" &
+               CUDA_VISIBLE_DEVICES=2,3 QUALITY_GPUS=2 PET_MASTER_PORT=29611 quality $END &
+               wait ;;
             B) stamp "B: quality on GPU 0; D=1 sweeps and the kernel config sweep on GPU 1"
                CUDA_VISIBLE_DEVICES=0 QUALITY_GPUS=1 quality $END &
                CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29611 d1_lane $END &
                wait ;;
-            *) stamp "unknown stage $stage (A Q D1 B DN)" ;;
+            *) stamp "unknown stage $stage (A Q D1 B DN P L)" ;;
         esac
     done
     stamp "runner done"; touch "$R/done" ;;
