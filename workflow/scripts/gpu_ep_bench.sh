@@ -6,7 +6,7 @@
 # pairs per GPU; plus forward+backward at 2^14 tokens, the bf16 matmul peak of the same GPU, and
 # torch.profiler tables with the host syncs of one forward at 2^14 and 64 tokens (occult.ep.profile_gpu).
 # Usage: workflow/scripts/gpu_ep_bench.sh OUTDIR ROUTING_NPZ
-# env: EP_BENCH_AB=0 leaves out the fused-plan A/B; EP_BENCH_PROFILES (default "16384 64"): tokens/GPU profiled.
+# env: EP_BENCH_AB=0 leaves out the fused-plan A/B; EP_BENCH_PROFILES (default "16384 64"; empty: none): tokens/GPU profiled.
 set -uo pipefail
 out=${1:?usage: gpu_ep_bench.sh OUTDIR ROUTING_NPZ}; trace=${2:?routing_heldout.npz of occult.profiling}
 mkdir -p "$out"
@@ -44,7 +44,7 @@ timeout 180 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind train --sha
   --routing uniform --sizes 32 --methods occult occult-pe occult-static occult-graph occult-nd1 occult-compute \
   --repeats 20 --warmup 5 --timeout-s 120 --out "$out/ep_train_uniform_D${gpus}.csv" 2>&1 \
   | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -10
-for tokens in ${EP_BENCH_PROFILES:-16384 64}; do     # where the host time goes: torch.profiler tables and the host syncs of one forward
+for tokens in ${EP_BENCH_PROFILES-16384 64}; do     # where the host time goes: torch.profiler tables and the host syncs of one forward
   echo "== profile ${tokens} tokens/GPU D=$gpus ($(date -u +%T))"
   timeout 180 torchrun --nproc_per_node="$gpus" -m occult.ep.profile_gpu --tokens "$tokens" --repeats 20 \
     --out "$out/profile_T${tokens}" > "$out/profile_T${tokens}.log" 2>&1

@@ -12,6 +12,7 @@
 #         (gpu_ep_bench.sh), the D=2 training sweep with every baseline, and a D=2 prefill sweep
 #         of Occult, MegaBlocks and Tutel on the Qwen and DeepSeek shapes. Baselines build on the
 #         CPU meanwhile (build_baselines.sh with the cached wheels, Tutel from its carried source).
+#         SESSION_PROFILES (default 16384; empty: none): tokens/GPU of the torch.profiler runs.
 #     Q.  all GPUs, for at most SESSION_Q_S: the quality study (gpu_quality.sh pretrain, variants,
 #         evaluate with QUALITY_GPUS = the GPUs present), leaving SESSION_D1_S (0) seconds for D1.
 #     D1. GPU 0: the D=1 sweeps SESSION_D1_KINDS (default "train decode"), then the kernel config
@@ -66,7 +67,7 @@ run)
         tail -2 "$R/gpu_tests.log"
         wait $build 2>/dev/null; tail -3 "$R/build.log"
         stamp "A: EP runtime benchmark"
-        timeout "$(left $until)" env EP_BENCH_AB=0 EP_BENCH_PROFILES=16384 bash $here/gpu_ep_bench.sh "$R/ep" "$trace"
+        timeout "$(left $until)" env EP_BENCH_AB=0 EP_BENCH_PROFILES="${SESSION_PROFILES-16384}" bash $here/gpu_ep_bench.sh "$R/ep" "$trace"
         if [ "$(left $until)" -gt 60 ]; then
             stamp "A: D=2 training sweep"
             timeout "$(left $until)" env SWEEP_DS=2 bash $here/gpu_sweeps.sh "$R/sweeps" train
