@@ -113,13 +113,51 @@ class SimulateConfig:
     inter_node_gbps: float
     inter_node_latency_us: float
     pool_tokens: int
-    measured: tuple[str, ...]
-    calibration: tuple[str, ...]        # measured files (or `FILE@tokens_per_gpu=N,...`) that calibrate
+    measured: tuple[str, ...]           # `FILE[@methods=a,b][@tokens_per_gpu=N,...]`: the rows of the set
+    calibration: tuple[str, ...]        # entries of `measured` (same selectors) whose rows calibrate
     alltoall_csv: str | None
     gemm_csv: str | None
     gemm_min_rows_per_expert: int
     dense_tflops: float
     tolerance: float
+    hbm_gbps: float | None = None       # HBM bandwidth: floor of the kernels' weight reads (None: no floor)
+    folders: dict = dataclasses.field(default_factory=dict)   # name -> folder, written `$name` in entries
+    history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
+
+    def expand(self, text: str, field: str) -> str:
+        """`text` with every `$name` replaced by `folders[name]`."""
+        return expand_folders(text, self.folders, field)
+
+    def sets(self) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+        """(name, measured, calibration) of the current set ("current") and of every history set."""
+        out = [("current", self.measured, self.calibration)]
+        for entry in self.history:
+            out.append((entry["name"], tuple(entry["measured"]), tuple(entry["calibration"])))
+        return out
+
+    def input_files(self) -> list[str]:
+        """Every file the simulator reads (folders expanded, row selectors dropped)."""
+        files = []
+        for name, measured, _ in self.sets():
+            field = "simulate.measured" if name == "current" else f"simulate.history.{name}.measured"
+            files += [self.expand(text, field).partition("@")[0] for text in measured]
+        files += [p for p in (self.alltoall_csv, self.gemm_csv) if p]
+        return list(dict.fromkeys(files))
+
+
+FOLDER_RE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def expand_folders(text: str, folders: dict, field: str) -> str:
+    """Replace `$name` in a file entry by `folders[name]`; an unknown name is a ConfigError.
+    (Not `{name}`: Snakemake would read that as a wildcard in the rule's params.)"""
+    def one(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in folders:
+            known = ", ".join(sorted(folders)) or "none"
+            raise ConfigError(f"{field}: {text!r} names folder ${name}, not in simulate.folders ({known})")
+        return str(folders[name]).rstrip("/")
+    return FOLDER_RE.sub(one, text)
 
 
 @dataclass(frozen=True)
@@ -258,6 +296,11 @@ def _check_semantics(cfg: Config) -> None:
         kind, nd = parse_bench_case(name)
         if nd is not None:
             _check_prune(f"bench.cases: {name}", nd, experts, top_k, cfg.bench.devices)
+    if cfg.simulate is not None:
+        names = [entry["name"] for entry in cfg.simulate.history]
+        if len(set(names)) != len(names) or "current" in names:
+            raise ConfigError(f"simulate.history: set names must be unique and not 'current' (got {names})")
+        cfg.simulate.input_files()      # every $folder is known
 
 
 def _check_prune(field: str, nd: int, experts: int, top_k: int, devices: int) -> None:
@@ -273,6 +316,8 @@ def _check_prune(field: str, nd: int, experts: int, top_k: int, devices: int) ->
 def _section(cls, raw: dict):
     kwargs = {}
     for f in dataclasses.fields(cls):
+        if f.name not in raw and (f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING):
+            continue
         value = raw[f.name]
         kwargs[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)

@@ -83,7 +83,7 @@ VALIDATION_COLUMNS = (
     "role", "kind", "shape", "method", "family", "routing", "D", "tokens_per_gpu", "batch", "measured_ms",
     "p10_ms", "p90_ms", "predicted_ms", "rel_err", "within_tolerance", "bound", *COMPONENTS,
     "replicates", "replicate_ratio", "reachable", "measured_ct", "trace_ct", "measured_bytes_sent",
-    "trace_bytes_sent", "measured_pairs_max", "trace_pairs_max", "traffic_source", "source",
+    "trace_bytes_sent", "measured_pairs_max", "trace_pairs_max", "traffic_source", "source", "commit",
 )
 PREDICTION_COLUMNS = (
     "shape", "method", "kind", "D", "nodes", "gpus_per_node", "tokens_per_gpu", "batch", "moe_layers",
@@ -128,6 +128,7 @@ class Traffic:
     tokens_per_source: float
     mean_devices_per_token: float
     slots: int
+    active_experts_D: np.ndarray | None = None   # local experts with ≥ 1 pair per device (None: all)
 
     @property
     def num_devices(self) -> int:
@@ -197,10 +198,12 @@ def traffic(ids_NK: np.ndarray | torch.Tensor, device_of_expert_E: np.ndarray | 
 
     rows_SD, pairs_SD = by_source(rows_ND), by_source(pairs_ND)
     sent_row, back_row = wire_row_bytes(mode, hidden, elem_bytes, slots)
+    hit_E = np.bincount(ids_NK.reshape(-1), minlength=placement_E.size) > 0
     return Traffic(
         mode=mode, rows_SD=rows_SD, pairs_SD=pairs_SD, dispatch_bytes_SD=rows_SD * sent_row,
         return_bytes_SD=rows_SD.T * back_row, tokens_per_source=num_tokens / num_devices,
-        mean_devices_per_token=float(hit_ND.sum(1).mean()) if num_tokens else float("nan"), slots=slots)
+        mean_devices_per_token=float(hit_ND.sum(1).mean()) if num_tokens else float("nan"), slots=slots,
+        active_experts_D=np.bincount(placement_E[hit_E], minlength=num_devices).astype(np.float64))
 
 
 def static_traffic(base: Traffic, hidden: int, elem_bytes: int = 2) -> Traffic:
@@ -384,8 +387,10 @@ class CostModel:
     kernel_train_scale: float | None            # Occult kernels, fwd+bwd time / fwd time (same pairs)
     grouped_tflops: dict[tuple[str, str], LogLogCurve]   # (pass, shape) -> naive grouped GEMM TFLOP/s
     dense_tflops: float
+    hbm_bytes_per_ms: float = math.inf                  # weight reads of small batches (None in config: no floor)
     other_gpu: OtherGpuTerms | None = None
     naive_ns_per_pair: dict[str, float] = dataclasses.field(default_factory=dict)   # pass -> ns at D = 1
+    pe_per_row_ns: float | None = None          # per_expert rows' other GPU work (None: the dedup rate)
     host: dict[tuple[str, str, int], HostTerms] = dataclasses.field(default_factory=dict)
 
     def host_for(self, family: str, pass_: str, num_devices: int) -> HostTerms | None:
@@ -422,10 +427,30 @@ def expert_flops_per_pair(shape: MoEShape) -> float:
     return 2.0 * 3.0 * shape.hidden * shape.ffn
 
 
-def shared_expert_ms(shape: MoEShape, tokens_per_gpu: float, pass_: str, dense_tflops: float) -> float:
-    """The shared expert(s): a dense SwiGLU of width `shared_ffn` on every local token."""
+# Passes over an expert's weights per layer call: forward reads them; fwd+bwd reads them again for
+# dx and writes dW (in the activation dtype).
+WEIGHT_PASSES = types.MappingProxyType({"fwd": 1.0, "train": 3.0})
+
+
+def expert_weight_bytes(shape: MoEShape, ffn: int | None = None, elem_bytes: int = 2) -> float:
+    """Bytes of one SwiGLU expert's weights (gate, up, down)."""
+    return 3.0 * shape.hidden * (shape.ffn if ffn is None else ffn) * elem_bytes
+
+
+def weight_read_ms(experts: float, shape: MoEShape, pass_: str, hbm_bytes_per_ms: float,
+                   ffn: int | None = None) -> float:
+    """The memory floor of `experts` experts' GEMMs: each weight byte crosses HBM at least once
+    per pass, however few rows use it (decode: the kernels wait on weights, not FLOPs)."""
+    return experts * expert_weight_bytes(shape, ffn) * WEIGHT_PASSES[pass_] / hbm_bytes_per_ms
+
+
+def shared_expert_ms(shape: MoEShape, tokens_per_gpu: float, pass_: str, dense_tflops: float,
+                     hbm_bytes_per_ms: float = math.inf) -> float:
+    """The shared expert(s): a dense SwiGLU of width `shared_ffn` on every local token (FLOPs, or
+    its weight reads where they take longer)."""
     flops = 2.0 * 3.0 * shape.hidden * shape.shared_ffn * tokens_per_gpu * (3.0 if pass_ == "train" else 1.0)
-    return flops / (dense_tflops * 1e12) * 1e3
+    floor = weight_read_ms(1.0, shape, pass_, hbm_bytes_per_ms, shape.shared_ffn) if shape.shared_ffn else 0.0
+    return max(flops / (dense_tflops * 1e12) * 1e3, floor)
 
 
 def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: str, cost: CostModel,
@@ -439,12 +464,16 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
     train = pass_ == "train"
     flops_D = traffic_.pairs_in_D * expert_flops_per_pair(shape)
     rows_per_expert_D = traffic_.pairs_in_D / local_experts
+    active_D = (np.full(num_devices, local_experts) if traffic_.active_experts_D is None
+                else traffic_.active_experts_D)
+    floor_D = np.array([weight_read_ms(a, shape, pass_, cost.hbm_bytes_per_ms) for a in active_D])
     if spec.family == "naive":
         curve = cost.grouped_tflops.get((pass_, shape.name))
         if curve is None:
             raise SimulateError(f"simulate.gemm_csv: no grouped-GEMM {pass_} rows for shape {shape.name}")
         kernels_D = np.array([f * (3.0 if train else 1.0) / (curve(max(r, 1.0)) * 1e12) * 1e3
                               for f, r in zip(flops_D, rows_per_expert_D)])
+        kernels_D = np.maximum(kernels_D, floor_D)
         bytes_factor = (NAIVE_BYTES_EP if num_devices > 1 else NAIVE_BYTES_D1) / NAIVE_BYTES_D1
         pairs_handled_D = (traffic_.pairs_SD.sum(1) + traffic_.pairs_SD.sum(0)) / 2
         other_D = pairs_handled_D * cost.naive_ns_per_pair.get(pass_, 0.0) * 1e-6 * bytes_factor
@@ -455,13 +484,16 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
                               for f, r in zip(flops_D, rows_per_expert_D)])
         if train:
             kernels_D = kernels_D * (cost.kernel_train_scale or float("nan"))
+        kernels_D = np.maximum(kernels_D, floor_D)
         terms = cost.other_gpu or OtherGpuTerms(0.0, 0.0, 1.0, 0)
         factor = (float("nan") if terms.train_factor is None else terms.train_factor) if train else 1.0
-        other_D = (terms.fixed_ms + traffic_.row_work_D * terms.per_row_ns * 1e-6) * factor
+        per_row_ns = cost.pe_per_row_ns if spec.mode == "per_expert" and cost.pe_per_row_ns is not None \
+            else terms.per_row_ns
+        other_D = (terms.fixed_ms + traffic_.row_work_D * per_row_ns * 1e-6) * factor
         if spec.family == "occult-compute":
             other_D = np.zeros_like(kernels_D)
     busiest = int(np.argmax(kernels_D + other_D))
-    shared_ms = shared_expert_ms(shape, tokens_per_gpu, pass_, cost.dense_tflops)
+    shared_ms = shared_expert_ms(shape, tokens_per_gpu, pass_, cost.dense_tflops, cost.hbm_bytes_per_ms)
     comm = 0.0
     if spec.family != "occult-compute":
         link = cost.link
@@ -723,56 +755,85 @@ def grouped_gemm_curves(path: str | Path | None, min_rows_per_expert: int) -> di
     return curves
 
 
+SELECTOR_KEYS = ("methods", "tokens_per_gpu")
+
+
 @dataclass(frozen=True)
-class CalibrationEntry:
-    """`path` (every row of the file) or `path@tokens_per_gpu=512,1024` (only those sizes)."""
+class FileEntry:
+    """`path[@methods=a,b][@tokens_per_gpu=N,...]`: the file's rows of those methods and sizes
+    (every row where a selector is absent). `$name` is replaced by `simulate.folders[name]`."""
 
     path: Path
+    methods: frozenset[str] | None
     tokens_per_gpu: frozenset[int] | None
 
     @classmethod
-    def parse(cls, text: str) -> "CalibrationEntry":
-        path, _, selector = text.partition("@")
-        sizes = None
-        if selector:
-            key, _, values = selector.partition("=")
-            try:
-                sizes = frozenset(int(v) for v in values.split(","))
-            except ValueError:
-                sizes = None
-            if key != "tokens_per_gpu" or not sizes:
-                raise SimulateError(f"simulate.calibration: {text!r}: expected PATH or PATH@tokens_per_gpu=N[,N...]")
-        return cls(resolve_input(path, "simulate.calibration").resolve(), sizes)
+    def parse(cls, text: str, field: str, folders: dict | None = None) -> "FileEntry":
+        from occult.config import expand_folders
 
-    def holds(self, source: Path, tokens_per_gpu: int) -> bool:
-        return source == self.path and (self.tokens_per_gpu is None or tokens_per_gpu in self.tokens_per_gpu)
+        path, *selectors = expand_folders(text, folders or {}, field).split("@")
+        chosen: dict[str, Any] = {}
+        usage = f"{field}: {text!r}: expected FILE[@methods=a,b][@tokens_per_gpu=N,...]"
+        for selector in selectors:
+            key, _, values = selector.partition("=")
+            items = [v.strip() for v in values.split(",") if v.strip()]
+            if key not in SELECTOR_KEYS or key in chosen or not items:
+                raise SimulateError(usage)
+            if key == "tokens_per_gpu":
+                if not all(v.isdigit() for v in items):
+                    raise SimulateError(usage)
+                chosen[key] = frozenset(int(v) for v in items)
+            else:
+                for name in items:
+                    try:
+                        method_spec(name)
+                    except SimulateError as err:
+                        raise SimulateError(f"{field}: {text!r}: {err}") from None
+                chosen[key] = frozenset(items)
+        return cls(resolve_input(path, field).resolve(), chosen.get("methods"), chosen.get("tokens_per_gpu"))
+
+    def holds(self, source: Path, method: str, tokens_per_gpu: int) -> bool:
+        return (source == self.path and (self.methods is None or method in self.methods)
+                and (self.tokens_per_gpu is None or tokens_per_gpu in self.tokens_per_gpu))
 
 
 def is_simulated_method(name: str) -> bool:
     return name == "naive" or name == "occult" or name.startswith("occult-")
 
 
-def read_measured(paths: Sequence[str], calibration: Sequence[str] = ()):
-    """Every ok Occult / naive row of the measured files, with its source, routing and role
-    (`calibration` if an entry of `calibration` holds it, else `validation`)."""
+def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders: dict | None = None,
+                  field: str = "simulate"):
+    """Every ok Occult / naive row the entries of `paths` select, with its source, routing, commit
+    and role (`calibration` if an entry of `calibration` holds it, else `validation`)."""
     import pandas as pd
 
-    entries = [CalibrationEntry.parse(text) for text in calibration]
-    resolved_paths = {resolve_input(p, "simulate.measured").resolve(): str(p) for p in paths}
+    from occult.config import expand_folders
+
+    measured = [FileEntry.parse(text, f"{field}.measured", folders) for text in paths]
+    entries = [FileEntry.parse(text, f"{field}.calibration", folders) for text in calibration]
+    by_path = {}
+    for entry, text in zip(measured, paths):
+        if entry.path in by_path:
+            raise SimulateError(f"{field}.measured: {entry.path} is listed twice (join its selectors in one entry)")
+        by_path[entry.path] = (entry, text)
     for entry in entries:
-        if entry.path not in resolved_paths:
-            raise SimulateError(f"simulate.calibration: {entry.path} is not one of simulate.measured")
+        if entry.path not in by_path:
+            raise SimulateError(f"{field}.calibration: {entry.path} is not one of {field}.measured")
     frames = []
-    for resolved, path in resolved_paths.items():
-        frame = read_table(path, MEASURED_COLUMNS, "simulate.measured")
+    for resolved, (entry, text) in by_path.items():
+        path = expand_folders(text, folders or {}, f"{field}.measured").partition("@")[0]
+        frame = read_table(resolved, MEASURED_COLUMNS, f"{field}.measured")
         frame = frame[(frame["status"] == "ok") & frame["method"].map(is_simulated_method)].copy()
         for name in frame["method"].unique():
             try:
                 method_spec(name)
             except SimulateError as err:
-                raise SimulateError(f"simulate.measured: {path}: {err}") from None
+                raise SimulateError(f"{field}.measured: {path}: {err}") from None
+        frame = frame[[entry.holds(resolved, m, int(t)) for m, t in zip(frame["method"], frame["tokens_per_gpu"])]]
+        if frame.empty:
+            raise SimulateError(f"{field}.measured: {text!r} selects no ok Occult / naive row")
         for column in ("batch", "p10_ms", "p90_ms", "bytes_sent", "mean_devices_per_token", "pairs_received_max",
-                       "shared_ffn"):
+                       "shared_ffn", "commit"):
             if column not in frame.columns:
                 frame[column] = np.nan
         if "routing" not in frame.columns:
@@ -780,13 +841,13 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = ()):
         frame["routing"] = frame["routing"].fillna("synthetic")
         unknown = set(frame["routing"]) - set(ROUTINGS)
         if unknown:
-            raise SimulateError(f"simulate.measured: {path}: unknown routing {sorted(unknown)}")
+            raise SimulateError(f"{field}.measured: {path}: unknown routing {sorted(unknown)}")
         frame["source"] = path
-        frame["role"] = ["calibration" if any(e.holds(resolved, int(t)) for e in entries) else "validation"
-                         for t in frame["tokens_per_gpu"]]
+        frame["role"] = ["calibration" if any(e.holds(resolved, m, int(t)) for e in entries) else "validation"
+                         for m, t in zip(frame["method"], frame["tokens_per_gpu"])]
         frames.append(frame)
     columns = [*MEASURED_COLUMNS, "batch", "p10_ms", "p90_ms", "bytes_sent", "mean_devices_per_token",
-               "pairs_received_max", "shared_ffn", "routing", "source", "role"]
+               "pairs_received_max", "shared_ffn", "commit", "routing", "source", "role"]
     if not frames:
         return pd.DataFrame(columns=columns)
     return pd.concat(frames, ignore_index=True)[columns]
@@ -805,8 +866,9 @@ def build_cost_model(settings: Any) -> CostModel:
         inter_node_bytes_per_ms=settings.inter_node_gbps / 8 * 1e9 / 1e3,
         inter_node_latency_ms=settings.inter_node_latency_us * 1e-3,
     )
+    hbm = getattr(settings, "hbm_gbps", None)
     return CostModel(link, None, None, grouped_gemm_curves(settings.gemm_csv, settings.gemm_min_rows_per_expert),
-                     settings.dense_tflops)
+                     settings.dense_tflops, hbm_bytes_per_ms=math.inf if hbm is None else hbm * 1e9 / 1e3)
 
 
 @dataclass
@@ -851,7 +913,8 @@ def measured_points(measured, traces: dict[str, ShapeTraces]) -> tuple[list[Meas
             if num_devices == 1:
                 chunks = [traffic(np.zeros((tokens, 0), dtype=np.int64), np.zeros(shape.num_experts, dtype=np.int64),
                                   1, spec.mode, shape.hidden)]
-                chunks = [dataclasses.replace(chunks[0], pairs_SD=np.full((1, 1), float(tokens * shape.top_k)))]
+                chunks = [dataclasses.replace(chunks[0], pairs_SD=np.full((1, 1), float(tokens * shape.top_k)),
+                                              active_experts_D=None)]
             else:
                 base = recorded_traffic(num_devices, tokens, spec.mode, shape, float(row.bytes_sent),
                                         float(row.mean_devices_per_token), float(row.pairs_received_max))
@@ -928,7 +991,12 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
         naive = [p for p in calib if p.spec.family == "naive" and p.pass_ == pass_]
         if naive and cost.grouped_tflops:
             cost = calibrate_naive(naive, cost, pass_)
-    # 4. Occult eager host terms per (family, pass, D)
+    # 4. per_expert rows: their own per-row GPU cost (plan with a sort, k-row combine, kernels
+    #    without the pair reduction), fitted jointly with their forward host terms
+    pe_fwd = [p for p in calib if p.spec.mode == "per_expert" and p.pass_ == "fwd"]
+    if pe_fwd and cost.other_gpu is not None:
+        cost = calibrate_per_expert(pe_fwd, cost)
+    # 5. Occult eager host terms per (family, pass, D)
     host = dict(cost.host)
     for family in ("occult", "occult-pe", "occult-static"):
         for pass_ in PASSES:
@@ -978,6 +1046,28 @@ def fit_linear_nonnegative(residual_ms: np.ndarray, rows: np.ndarray, measured_m
         column = design[:, 1]
         fixed, rate = 0.0, float(max(np.sum(target * column) / max(np.sum(column**2), 1e-30), 0.0))
     return float(max(fixed, 0.0)), float(rate)
+
+
+def calibrate_per_expert(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
+    """ns per row of per_expert dispatch's other GPU work, by a log-spaced search in which each
+    rate gets its best host terms per D (as `calibrate_naive`); the host terms are refitted after."""
+    by_d = {d: [p for p in points if p.num_devices == d] for d in sorted({p.num_devices for p in points})}
+    measured = {d: np.array([p.measured_ms for p in ps]) for d, ps in by_d.items()}
+
+    def gpu(rate: float, d: int) -> np.ndarray:
+        trial = dataclasses.replace(cost, pe_per_row_ns=rate)
+        return np.array([p.components(trial)["gpu_ms"] for p in by_d[d]])
+
+    base = {d: gpu(0.0, d) for d in by_d}
+    unit = {d: gpu(1.0, d) - base[d] for d in by_d}
+
+    def loss(rate: float) -> float:
+        return sum(fit_host(base[d] + rate * unit[d], measured[d])[2] * len(by_d[d]) for d in by_d)
+
+    rates = np.concatenate([[0.0], np.geomspace(0.25, 64.0, 25)])
+    best = int(np.argmin([loss(r) for r in rates]))
+    fine = np.linspace(rates[max(best - 1, 0)], rates[min(best + 1, len(rates) - 1)], 21)
+    return dataclasses.replace(cost, pe_per_row_ns=float(min(fine, key=loss)))
 
 
 def calibrate_naive(points: Sequence[MeasuredPoint], cost: CostModel, pass_: str) -> CostModel:
@@ -1047,7 +1137,7 @@ def validation_table(points: Sequence[MeasuredPoint], cost: CostModel, tolerance
             "measured_ct": row.mean_devices_per_token, "trace_ct": parts.get("mean_devices_per_token"),
             "measured_bytes_sent": row.bytes_sent, "trace_bytes_sent": parts.get("trace_bytes_sent"),
             "measured_pairs_max": row.pairs_received_max, "trace_pairs_max": parts.get("pairs_max"),
-            "traffic_source": p.traffic_source, "source": row.source,
+            "traffic_source": p.traffic_source, "source": row.source, "commit": row.commit,
         })
     return pd.DataFrame(rows, columns=list(VALIDATION_COLUMNS))
 
@@ -1124,6 +1214,8 @@ def cost_summary(cost: CostModel) -> dict[str, Any]:
         "kernel_train_scale": cost.kernel_train_scale,
         "other_gpu": dataclasses.asdict(cost.other_gpu) if cost.other_gpu else None,
         "naive_ns_per_pair_D1": cost.naive_ns_per_pair,
+        "per_expert_other_gpu_ns_per_row": cost.pe_per_row_ns,
+        "hbm_gbps": cost.hbm_bytes_per_ms * 1e3 / 1e9 if math.isfinite(cost.hbm_bytes_per_ms) else None,
         "naive_bytes_factor_D_gt_1": NAIVE_BYTES_EP / NAIVE_BYTES_D1,
         "host": {f"{f}/{p}/D={d}": dataclasses.asdict(h) for (f, p, d), h in sorted(cost.host.items())},
     }
@@ -1135,11 +1227,15 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
     from occult.provenance import provenance, seed_everything, write_csv
 
     seed_everything(seed)
-    measured = read_measured(settings.measured, settings.calibration)
+    measured = {name: read_measured(files, calibration, settings.folders,
+                                    "simulate" if name == "current" else f"simulate.history.{name}")
+                for name, files, calibration in settings.sets()}
     keys = {(s, "synthetic") for s in settings.shapes}
-    keys |= {(s, r) for s, r in zip(measured["shape"], measured["routing"]) if r != "trace"}
+    for frame in measured.values():
+        keys |= {(s, r) for s, r in zip(frame["shape"], frame["routing"]) if r != "trace"}
     traces = {trace_key(s, r): ShapeTraces(get_shape(s), settings.pool_tokens, seed, r) for s, r in sorted(keys)}
-    table, cost = validate(settings, traces, build_cost_model(settings), measured)
+    table, cost = validate(settings, traces, build_cost_model(settings), measured.pop("current"))
+    history, history_costs = history_tables(settings, traces, measured)
     targets = {name: traces[name] for name in settings.shapes}
     prefill = [("prefill", tokens, None) for tokens in settings.tokens_per_gpu]
     predictions = predict(targets, settings.methods, settings.devices, prefill, cost, "predict D")
@@ -1148,11 +1244,13 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
 
     meta = provenance(config_hash, seed, stage="simulate", settings=dataclasses.asdict(settings),
                       calibrated=cost_summary(cost),
+                      calibrated_history={name: cost_summary(c) for name, c in history_costs.items()},
                       alltoall_source=settings.alltoall_csv or "DESIGN.md 2-GPU table (built in)",
                       gemm_source=settings.gemm_csv or "none (naive EP uncalibrated)")
-    paths = {"validation": out_dir / "validation.csv", "predictions": out_dir / "predictions.csv",
-             "issue8": out_dir / "predictions_D4_D8.csv"}
+    paths = {"validation": out_dir / "validation.csv", "history": out_dir / "validation_history.csv",
+             "predictions": out_dir / "predictions.csv", "issue8": out_dir / "predictions_D4_D8.csv"}
     write_csv(paths["validation"], table, meta=meta)
+    write_csv(paths["history"], history, meta=meta)
     write_csv(paths["predictions"], predictions, meta=meta)
     write_csv(paths["issue8"], issue8, meta=meta)
     if figures_dir is not None:
@@ -1161,7 +1259,23 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
         plot_speedup(predictions, paths["fig_speedup"])
         plot_validation(table, settings.tolerance, paths["fig_validation"])
     print_summary(table, cost)
+    for name, rows in history.groupby("set", sort=False):
+        print(f"history set {name}:")
+        print_summary(rows, history_costs[name], terms=False)
     return paths
+
+
+def history_tables(settings: Any, traces: dict[str, "ShapeTraces"], measured: dict[str, Any]):
+    """(validation rows of every history set, a `set` column first; {set: its calibrated model}):
+    each older runtime calibrated on its own calibration rows, exactly as the current one."""
+    import pandas as pd
+
+    tables, costs = [], {}
+    for name, frame in measured.items():
+        table, costs[name] = validate(settings, traces, build_cost_model(settings), frame)
+        tables.append(table.assign(set=name))
+    columns = ["set", *VALIDATION_COLUMNS]
+    return (pd.concat(tables, ignore_index=True)[columns] if tables else pd.DataFrame(columns=columns)), costs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1232,15 +1346,17 @@ def plot_validation(table, tolerance: float, out: Path) -> None:
     plt.close(fig)
 
 
-def print_summary(table, cost: CostModel) -> None:
-    """Calibrated terms, then points within tolerance per role and method family."""
-    for (family, pass_, num_devices), host in sorted(cost.host.items()):
+def print_summary(table, cost: CostModel, terms: bool = True) -> None:
+    """Calibrated terms (if `terms`), then points within tolerance per role and method family."""
+    for (family, pass_, num_devices), host in sorted(cost.host.items() if terms else ()):
         print(f"host {family:>13} {pass_:<5} D={num_devices}: pre {host.pre_ms:.2f} ms, post {host.post_ms:.2f} ms "
               f"({host.source})")
-    if cost.other_gpu is not None:
+    if terms and cost.other_gpu is not None:
         print(f"occult other GPU work: {cost.other_gpu.fixed_ms:.3f} ms + {cost.other_gpu.per_row_ns:.2f} ns/row, "
               f"fwd+bwd x{cost.other_gpu.train_factor}")
-    for pass_, rate in sorted(cost.naive_ns_per_pair.items()):
+    if terms and cost.pe_per_row_ns is not None:
+        print(f"per_expert other GPU work: {cost.pe_per_row_ns:.2f} ns/row")
+    for pass_, rate in sorted(cost.naive_ns_per_pair.items() if terms else ()):
         print(f"naive memory-bound ops {pass_}: {rate:.1f} ns/pair at D=1")
     for (role, family), rows in table.groupby(["role", "family"]):
         errors = rows["rel_err"].abs()

@@ -336,3 +336,98 @@ def test_bad_measured_inputs_are_named(tmp_path):
     pd.DataFrame({"D": [2], "pattern": ["equal"]}).to_csv(a2a, index=False)
     with pytest.raises(SimulateError, match="alltoall_csv: .*alltoall.csv lacks column"):
         alltoall_curves(str(a2a))
+
+
+def test_entry_selectors_and_folders_choose_the_rows(tmp_path):
+    """`$folder` expands; `@methods=` keeps a file's rows of those methods; bad entries are named."""
+    from occult.config import ConfigError
+
+    path = fake_sweep(tmp_path, "sweep.csv")
+    folders = {"run": str(tmp_path)}
+    naive_only = read_measured(["$run/sweep.csv@methods=naive"], ["$run/sweep.csv@tokens_per_gpu=64"], folders)
+    assert set(naive_only["method"]) == {"naive"} and len(naive_only) == 6
+    assert set(naive_only.loc[naive_only["tokens_per_gpu"] == 64, "role"]) == {"calibration"}
+    assert set(naive_only.loc[naive_only["tokens_per_gpu"] != 64, "role"]) == {"validation"}
+    assert set(naive_only["source"]) == {path}
+    both = read_measured([path], [f"{path}@methods=occult@tokens_per_gpu=64,256"])
+    chosen = both[both["role"] == "calibration"]
+    assert set(chosen["method"]) == {"occult"} and set(chosen["tokens_per_gpu"]) == {64, 256}
+    with pytest.raises(ConfigError, match=r"simulate.measured: '\$nope/sweep.csv' names folder \$nope"):
+        read_measured(["$nope/sweep.csv"], [], folders)
+    with pytest.raises(SimulateError, match="simulate.calibration: .*expected FILE"):
+        read_measured([path], [f"{path}@tokens_per_gpu=a"])
+    with pytest.raises(SimulateError, match="simulate.measured: .*unknown option 'bogus'"):
+        read_measured([f"{path}@methods=occult-bogus"])
+    with pytest.raises(SimulateError, match="listed twice"):
+        read_measured([path, f"{path}@methods=naive"])
+    with pytest.raises(SimulateError, match="selects no ok Occult / naive row"):
+        read_measured([f"{path}@tokens_per_gpu=7"])
+
+
+def test_config_folders_point_every_entry_at_one_run(tmp_path):
+    """The repository's config resolves; an unknown $folder or a reused history name is a ConfigError."""
+    import yaml
+
+    from occult.config import ConfigError, load_config
+
+    cfg = load_config("config/config.yaml")
+    files = cfg.simulate.input_files()
+    assert files and all("$" not in f and "@" not in f for f in files)
+    assert any(f.startswith(cfg.simulate.folders["ep"]) for f in files)
+    raw = yaml.safe_load(open("config/config.yaml"))
+    raw["simulate"]["measured"] = [*raw["simulate"]["measured"], "$elsewhere/x.csv"]
+    with pytest.raises(ConfigError, match=r"simulate.measured: '\$elsewhere/x.csv' names folder \$elsewhere"):
+        load_config(raw)
+    raw = yaml.safe_load(open("config/config.yaml"))
+    raw["simulate"]["history"] = [{"name": "current", "measured": ["a.csv"], "calibration": []}]
+    with pytest.raises(ConfigError, match="simulate.history: set names"):
+        load_config(raw)
+
+
+def test_weights_set_a_floor_under_small_batches():
+    """Decode-sized calls wait on the active experts' weights (bytes / HBM), large ones on FLOPs."""
+    shape = get_shape("olmoe")
+    ids = np.array([[e for e in range(8)]])                     # one token, experts 0..7
+    one = traffic(ids, np.zeros(64, dtype=np.int64), 1, "dedup", shape.hidden)
+    assert one.active_experts_D.tolist() == [8.0]
+    cost = CostModel(LinkModel({2: design_alltoall_curve()}, 8, 1e9, 0.0), LogLogCurve(np.array([1.0]),
+                     np.array([400.0]), extend="flat"), 3.0, {}, 760.0, hbm_bytes_per_ms=4e9,
+                     other_gpu=OtherGpuTerms(0.0, 0.0, 1.0, 0))
+    from occult.simulate import gpu_components
+
+    spec = method_spec("occult-graph")
+    floor = 8 * 3 * shape.hidden * shape.ffn * 2 / 4e9
+    assert gpu_components(one, shape, spec, "fwd", cost, 1)["kernels_ms"] == pytest.approx(floor)
+    assert gpu_components(one, shape, spec, "train", cost, 1)["kernels_ms"] == pytest.approx(3 * floor)
+    no_floor = dataclasses.replace(cost, hbm_bytes_per_ms=float("inf"))
+    assert gpu_components(one, shape, spec, "fwd", no_floor, 1)["kernels_ms"] < floor / 50
+    many = traffic(np.random.default_rng(0).integers(0, 64, (65536, 8)), np.zeros(64, dtype=np.int64), 1, "dedup",
+                   shape.hidden)
+    flops_ms = 65536 * 8 * 6 * shape.hidden * shape.ffn / 400e12 * 1e3
+    assert gpu_components(many, shape, spec, "fwd", cost, 65536)["kernels_ms"] == pytest.approx(flops_ms)
+
+
+def test_per_expert_rows_get_their_own_rate_and_history_sets_validate_apart(tmp_path):
+    """A per_expert row rate is fitted from calibration rows only; a history set is its own table."""
+    rows = []
+    for t in (64, 256, 1024, 4096):
+        for m in ("occult-pe", "occult-graph", "occult-compute"):
+            base = {"occult-pe": 2.0 + t / 500, "occult-graph": 0.01 + t / 20000, "occult-compute": 0.001 + t / 100000}
+            rows.append({"kind": "prefill", "shape": "tiny", "method": m, "D": 2, "tokens_per_gpu": t,
+                         "median_ms": base[m], "pairs_received_max": 2 * t})
+    rates = []
+    for shift in (0.0, 3.0):
+        frame = pd.DataFrame(rows)
+        frame.loc[frame["tokens_per_gpu"] == 256, "median_ms"] += shift
+        path = measured_csv(tmp_path / f"pe{shift}.csv", frame.to_dict("records"))
+        cfg = settings(measured=(path,), calibration=(f"{path}@tokens_per_gpu=64,1024,4096",))
+        traces = {"tiny": ShapeTraces(get_shape("tiny"), cfg.pool_tokens, 0)}
+        fitted = validate(cfg, traces, build_cost_model(cfg), read_measured(cfg.measured, cfg.calibration))[1]
+        rates.append(fitted.pe_per_row_ns)
+    assert rates[0] is not None and rates[0] > 0 and rates[0] == rates[1]
+    history = ({"name": "old", "measured": [path], "calibration": [path]},)
+    cfg = settings(measured=(path,), calibration=(f"{path}@tokens_per_gpu=64,1024,4096",), history=history)
+    paths = run_simulate(cfg, 0, tmp_path / "out", None)
+    old = pd.read_csv(paths["history"])
+    assert list(old.columns) == ["set", *VALIDATION_COLUMNS] and set(old["set"]) == {"old"}
+    assert set(old["role"]) == {"calibration"} and len(old) == len(pd.read_csv(paths["validation"]))

@@ -133,7 +133,7 @@ def simulate_inputs(wildcards) -> list[str]:
     """Measured files the simulator reads; relative paths are committed results of the repository."""
     if CFG.simulate is None:
         return []
-    named = [*CFG.simulate.measured, CFG.simulate.alltoall_csv, CFG.simulate.gemm_csv]
+    named = CFG.simulate.input_files()          # $folder expanded, row selectors dropped
     return [p if Path(p).exists() else str(Path(workflow.basedir) / p) for p in named if p]
 
 
@@ -143,6 +143,7 @@ def simulate_figures_dir(wildcards, output) -> str:
 
 SIMULATE_OUTPUTS = [
     f"{RESULTS}/simulate/validation.csv",
+    f"{RESULTS}/simulate/validation_history.csv",
     f"{RESULTS}/simulate/predictions.csv",
     f"{RESULTS}/simulate/predictions_D4_D8.csv",
     f"{FIGURES}/simulate_speedup.png",

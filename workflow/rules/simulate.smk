@@ -11,6 +11,7 @@ rule simulate_scale:
         validation=report(
             f"{RESULTS}/simulate/validation.csv", category="Scale simulator", caption="../report/simulate.rst"
         ),
+        history=f"{RESULTS}/simulate/validation_history.csv",
         predictions=f"{RESULTS}/simulate/predictions.csv",
         issue8=f"{RESULTS}/simulate/predictions_D4_D8.csv",
         fig_speedup=report(f"{FIGURES}/simulate_speedup.png", category="Scale simulator", caption="../report/simulate.rst"),
