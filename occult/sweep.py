@@ -80,12 +80,15 @@ DEFAULT_SIZES = {
     "train": (1, 2, 4, 8, 16),
 }
 DEFAULT_METHODS = ("occult", "occult-nd2", "occult-nd1", "megablocks", "tutel", "naive", "hf", "fsdp", "deepspeed")
-OCCULT_RE = re.compile(r"^occult(?:-nd(?P<nd>[1-9][0-9]*))?(?P<options>(?:-(?:pe|static|graph|trivial|compute))*)$")
+OCCULT_RE = re.compile(r"^occult(?:-nd(?P<nd>[1-9][0-9]*))?(?P<options>(?:-(?:pe|static|graph|trivial|balanced|compute))*)$")
+BALANCE_EPS = 0.1          # -balanced: busiest device's calibration load <= (1 + eps) x mean
 OCCULT_OPTIONS = {
     "pe": "per_expert dispatch (one row per (token, expert)) through the same kernels",
     "static": "static-shape dedup plan (no host sync; C = T rows per destination)",
     "graph": "the static plan replayed from a CUDA graph (forward: GraphedForward; train: make_graphed_callables)",
     "trivial": "contiguous placement instead of greedy_occult",
+    "balanced": f"greedy_occult repaired and swap-searched so that no device holds more than {1 + BALANCE_EPS:g}x "
+                "the mean token-expert pairs of the calibration batch (placement_extra.load_aware_swap)",
     "compute": "expert compute alone: each GPU's received pairs, dispatched once outside the timing",
 }
 ROUTINGS = ("synthetic", "uniform", "trace")
@@ -146,6 +149,11 @@ class SweepSettings:
                                  f"or one of {sorted(METHOD_CLASSES)}")
             if routing_key(name) is not None and "trivial" in occult_options(name):
                 raise SweepError(f"methods: {name!r}: pruning is defined on the Occult placement, not -trivial")
+            if routing_key(name) is not None and "balanced" in occult_options(name):
+                raise SweepError(f"methods: {name!r}: the pruned routings are made on the greedy placement; "
+                                 "-balanced combines with exact routing only")
+            if {"trivial", "balanced"} <= set(occult_options(name)):
+                raise SweepError(f"methods: {name!r}: -trivial and -balanced are two different placements")
         if self.world < 1:
             raise SweepError(f"D: must be at least 1, got {self.world}")
         if not self.sizes or min(self.sizes) < 1:
@@ -480,8 +488,11 @@ def make_inputs(shape: MoEShape, router: Any, tokens: int, seed: int, device: to
     return InputSet(x, dy, out)
 
 
-def occult_placement(shape: MoEShape, router: Any, world: int, seed: int) -> torch.Tensor:
-    """greedy_occult on the co-activation of a calibration batch (rank 0 computes, all receive)."""
+def occult_placement(shape: MoEShape, router: Any, world: int, seed: int, balanced: bool = False) -> torch.Tensor:
+    """greedy_occult on the co-activation of a calibration batch (rank 0 computes, all receive).
+    `balanced`: then repaired and swap-searched on the same batch so that the busiest device
+    carries at most (1 + BALANCE_EPS) x the mean pairs (greedy_occult ignores load: on a skewed
+    router it can put most pairs on one device)."""
     from occult.placement import greedy_occult
 
     _, rank = world_and_rank(None)
@@ -491,8 +502,14 @@ def occult_placement(shape: MoEShape, router: Any, world: int, seed: int) -> tor
         ids = router.calibration_ids(CALIBRATION_TOKENS, shape.top_k, gen)
         hits_NE = torch.zeros(ids.shape[0], shape.num_experts).scatter_(1, ids, 1.0)
         coact_EE = (hits_NE.t() @ hits_NE).numpy()
-        holder[0] = greedy_occult(coact_EE, world).tolist()
-    if world > 1:
+        placement = greedy_occult(coact_EE, world)
+        if balanced and world > 1:
+            from occult.placement_extra import load_aware_swap
+
+            placement = load_aware_swap(ids.numpy(), world, placement, BALANCE_EPS, rounds=4,
+                                        seed=derive_seed(seed, "balanced", shape.name))
+        holder[0] = [int(device) for device in placement]
+    if world_and_rank(None)[0] > 1:
         dist.broadcast_object_list(holder, src=0)
     return torch.tensor(holder[0], dtype=torch.long)
 
@@ -801,7 +818,10 @@ def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device,
                     "hidden": shape.hidden, "ffn": shape.ffn,
                     "shared_ffn": shape.shared_ffn if shared is not None else 0}
 
-    methods = {name: build_method(name, placement, backend) for name in settings.methods}
+    balanced = (occult_placement(shape, router, world, settings.seed, balanced=True)
+                if placement is not None and any("balanced" in occult_options(m) for m in settings.methods) else None)
+    methods = {name: build_method(name, balanced if "balanced" in occult_options(name) else placement, backend)
+               for name in settings.methods}
     skip = {name: method_skip_reason(name, m, shape, world) for name, m in methods.items()}
     routes = sorted({routing_key(n) for n in settings.methods if skip[n] is None} - {None})
     check = make_inputs(shape, router, settings.check_tokens,

@@ -225,7 +225,7 @@ def test_bad_occult_method_names_are_named():
 def test_sweep_runs_at_the_4_and_8_gpu_degrees_on_cpu_ranks(tmp_path, world):
     """Issue 8's run needs D = 4 and 8: the harness and every Occult variant work at those D on gloo."""
     out = tmp_path / f"sweep_D{world}.csv"
-    methods = ["occult", "occult-static", "occult-pe", "occult-nd2", "occult-nd1", "naive"]
+    methods = ["occult", "occult-static", "occult-pe", "occult-nd2", "occult-nd1", "occult-balanced", "naive"]
     cmd = [sys.executable, "-m", "occult.sweep", "--device", "cpu", "--dtype", "float32", "--D", str(world),
            "--kind", "prefill", "--shapes", "tiny", "--sizes", "6", "--repeats", "2", "--warmup", "1",
            "--out", str(out), "--methods", *methods]
@@ -258,3 +258,39 @@ def test_sweep_writes_json_progress_and_a_failed_record(tmp_path):
     assert proc.returncode == 1 and "occult-fast" in proc.stderr
     failed = [json.loads(line) for line in bad.read_text().splitlines()][-1]
     assert failed["event"] == "failed" and "occult-fast" in failed["message"]
+
+
+@pytest.mark.parametrize("shape_name, world", [("olmoe", 2), ("qwen", 4), ("deepseek", 4)])
+def test_balanced_placement_bounds_the_busiest_device_where_greedy_does_not(shape_name, world):
+    """The sweep's skewed router makes greedy_occult put 1.7-2.8x the mean pairs on one device
+    (sweeps_v5: 221k of 262k pairs on one GPU of two); -balanced keeps it <= 1.1x on fresh tokens,
+    with every device holding E/D experts and fewer devices per token than the contiguous layout."""
+    from occult.ep.plan import contiguous_placement
+
+    shape = sweep.get_shape(shape_name)
+    router = sweep.SyntheticRouter.make(shape, 0)
+    greedy = sweep.occult_placement(shape, router, world, 0)
+    balanced = sweep.occult_placement(shape, router, world, 0, balanced=True)
+    contiguous = contiguous_placement(shape.num_experts, world)
+    assert torch.bincount(balanced, minlength=world).tolist() == [shape.num_experts // world] * world
+    inputs = sweep.make_inputs(shape, router, 4096, 123, torch.device("cpu"), torch.float32, [None], None, False)
+    ids = inputs.routes[None][0]
+
+    def imbalance_and_spread(placement):
+        device_TK = placement[ids]
+        load = torch.bincount(device_TK.flatten(), minlength=world).float()
+        spread = torch.zeros(len(ids), world).scatter_(1, device_TK, 1.0).sum(1).mean()
+        return (load.max() / load.mean()).item(), spread.item()
+
+    greedy_load, greedy_spread = imbalance_and_spread(greedy)
+    balanced_load, balanced_spread = imbalance_and_spread(balanced)
+    _, contiguous_spread = imbalance_and_spread(contiguous)
+    assert greedy_load > 1.5 and balanced_load <= 1 + sweep.BALANCE_EPS + 0.05
+    assert greedy_spread <= balanced_spread < contiguous_spread
+
+
+def test_balanced_combines_with_exact_routing_only():
+    for name, why in [("occult-nd1-balanced", "exact routing only"), ("occult-trivial-balanced", "two different")]:
+        with pytest.raises(sweep.SweepError, match=why):
+            sweep.SweepSettings(kind="prefill", shapes=("tiny",), methods=(name,), world=2, sizes=(8,),
+                                out_csv="x.csv").validate()

@@ -8,7 +8,7 @@ rule run_gpu_sweep:
         csv="results/{machine}/sweeps_{version}/sweep_{kind}_D{devices}.csv",
     params:
         shapes="olmoe qwen deepseek",
-        methods="occult occult-nd2 occult-nd1 naive megablocks tutel hf fsdp",
+        methods="occult occult-balanced occult-nd2 occult-nd1 naive megablocks tutel hf fsdp",
     log:
         text="logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.log",
         json="logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.jsonl",

@@ -42,6 +42,9 @@ start)
     cd "$ROOT" && setsid nohup bash workflow/scripts/gpu_session.sh run > "$S/runner.log" 2>&1 < /dev/null &
     echo "runner started in $ROOT" ;;
 poll)
+    # a machine released between calls (more than its idle time passed) comes back bare: say so at
+    # once instead of waiting the whole poll for a runner that is not there
+    [ -e "$S/started" ] || { echo "no session on this machine: it was released and a fresh one answered"; exit 4; }
     end=$(( $(date +%s) + ${2:-540} ))
     while [ ! -e "$R/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     [ -e "$R/done" ] && echo "runner: done" || echo "runner: still running"

@@ -16,7 +16,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 gpus=$(visible_gpus)
 # Tutel runs in a process of its own: at 2^16 tokens it has hit an illegal memory access, which
 # ends the CUDA context of the process (results/nvidia-h200/README.md), so its prefill stops at 2^14.
-groups=("occult occult-graph occult-nd2 occult-nd1 naive megablocks hf fsdp" "tutel")
+groups=("occult occult-balanced occult-graph occult-graph-balanced occult-nd2 occult-nd1 naive megablocks hf fsdp" "tutel")
 for kind in $kinds; do
   for D in ${SWEEP_DS:-2 1}; do
     [ "$D" -le "$gpus" ] || continue
