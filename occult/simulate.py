@@ -69,7 +69,7 @@ MODES = ("dedup", "per_expert", "naive")
 PASSES = ("fwd", "train")
 FAMILIES = ("occult", "occult-pe", "occult-static", "occult-graph", "occult-compute", "naive")
 EAGER_FAMILIES = ("occult", "occult-pe", "occult-static", "naive")
-OCCULT_OPTIONS = ("pe", "trivial", "static", "graph", "compute")
+OCCULT_OPTIONS = ("pe", "trivial", "balanced", "static", "graph", "compute")
 ROUTINGS = ("synthetic", "uniform", "trace")
 # Bytes the naive EP's memory-bound ops move per (token, expert) pair, in units of d (`occult.baselines.naive`):
 # D = 1: gather x[token] 4 + y.float() 6 + × gate 8 + index_add 12 = 30; D > 1 adds the regrouping
@@ -321,15 +321,17 @@ class MethodSpec:
     max_devices: int | None     # N_d of router-score pruning (None: exact routing)
     static: bool                # static-shape plan: T rows to every device
     contiguous: bool            # contiguous placement (naive, `-trivial`) instead of the sweep's greedy one
+    balanced: bool = False      # `-balanced`: the sweep's load-aware placement (occult.sweep.BALANCE_EPS)
 
 
 def method_spec(name: str) -> MethodSpec:
-    """`naive`, or `occult` + any of `-nd<N>`, `-pe`, `-trivial`, `-static`, `-graph`, `-compute`."""
+    """`naive`, or `occult` + any of `-nd<N>`, `-pe`, `-trivial`, `-balanced`, `-static`, `-graph`, `-compute`."""
     if name == "naive":
         return MethodSpec(name, "naive", "naive", None, False, True)
     parts = name.split("-")
     if parts[0] != "occult":
-        raise SimulateError(f"method: {name!r} is not naive or occult[-nd<N>][-pe|-trivial|-static|-graph|-compute]")
+        raise SimulateError(f"method: {name!r} is not naive or "
+                            "occult[-nd<N>][-pe|-trivial|-balanced|-static|-graph|-compute]")
     max_devices, options = None, set()
     for part in parts[1:]:
         if part.startswith("nd") and part[2:].isdigit() and int(part[2:]) > 0:
@@ -341,10 +343,12 @@ def method_spec(name: str) -> MethodSpec:
     static = bool(options & {"static", "graph"})
     if "pe" in options and static:
         raise SimulateError(f"method: {name!r}: per-expert rows have no static plan")
+    if "balanced" in options and ("trivial" in options or max_devices is not None):
+        raise SimulateError(f"method: {name!r}: -balanced is a placement of exact routing (not -trivial, not -nd<N>)")
     family = ("occult-compute" if "compute" in options else "occult-graph" if "graph" in options
               else "occult-static" if "static" in options else "occult-pe" if "pe" in options else "occult")
     return MethodSpec(name, family, "per_expert" if "pe" in options else "dedup", max_devices, static,
-                      "trivial" in options)
+                      "trivial" in options, "balanced" in options)
 
 
 def mode_of(method: str) -> tuple[str, int | None]:
@@ -586,12 +590,18 @@ class ShapeTraces:
 
     def placement(self, method: str, num_devices: int) -> torch.Tensor:
         """Contiguous for naive, `-trivial` and uniform routing (where placement does not matter);
-        else the sweep's `greedy_occult` placement."""
-        contiguous = method_spec(method).contiguous or self.routing == "uniform"
-        key = (num_devices, contiguous)
+        the sweep's load-aware placement for `-balanced`; else the sweep's `greedy_occult` placement."""
+        spec = method_spec(method)
+        contiguous = spec.contiguous or self.routing == "uniform"
+        balanced = spec.balanced and not contiguous
+        key = (num_devices, contiguous, balanced)
         if key not in self._placements:
             if contiguous:
                 self._placements[key] = torch.arange(self.shape.num_experts) // (self.shape.num_experts // num_devices)
+            elif balanced:
+                from occult.sweep import occult_placement
+
+                self._placements[key] = occult_placement(self.shape, self.router, num_devices, self.seed, balanced=True)
             else:
                 self._placements[key] = sweep_placement(self.shape, self.router, num_devices, self.seed,
                                                         coact_EE=self._coactivation())

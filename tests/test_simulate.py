@@ -431,3 +431,24 @@ def test_per_expert_rows_get_their_own_rate_and_history_sets_validate_apart(tmp_
     old = pd.read_csv(paths["history"])
     assert list(old.columns) == ["set", *VALIDATION_COLUMNS] and set(old["set"]) == {"old"}
     assert set(old["role"]) == {"calibration"} and len(old) == len(pd.read_csv(paths["validation"]))
+
+
+def test_balanced_methods_use_the_sweeps_load_aware_placement():
+    """`-balanced` predicts on occult.sweep's load-aware placement: busiest device <= 1.1x the mean
+    pairs of the trace where the greedy one is far above it; bad combinations are refused."""
+    import torch
+
+    from occult.simulate import ShapeTraces, SimulateError, method_spec
+
+    assert method_spec("occult-graph-balanced").balanced and method_spec("occult-graph-balanced").static
+    for bad in ("occult-nd1-balanced", "occult-trivial-balanced"):
+        with pytest.raises(SimulateError, match="-balanced is a placement of exact routing"):
+            method_spec(bad)
+    traces = ShapeTraces(get_shape("olmoe"), 8192, seed=0)
+
+    def busiest_over_mean(method):
+        load = torch.bincount(traces.placement(method, 2)[traces.ids(method, 2)].flatten(), minlength=2).float()
+        return (load.max() / load.mean()).item()
+
+    assert busiest_over_mean("occult") > 1.5
+    assert busiest_over_mean("occult-balanced") <= 1.15
