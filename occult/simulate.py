@@ -574,7 +574,6 @@ class ShapeTraces:
                                  torch.device("cpu"), torch.bfloat16, [None], None, with_grad_output=False)
             self.logits_NE = self.router.logits(inputs.x_TD)
             self.ids_NK = inputs.routes[None][0]
-        self._coact_EE: np.ndarray | None = None
         self._placements: dict[tuple[int, bool], torch.Tensor] = {}
         self._routes: dict[tuple[int, int, bool], torch.Tensor] = {}
 
@@ -598,13 +597,10 @@ class ShapeTraces:
         if key not in self._placements:
             if contiguous:
                 self._placements[key] = torch.arange(self.shape.num_experts) // (self.shape.num_experts // num_devices)
-            elif balanced:
+            else:       # the sweep's own function: the same calibration batch, placement and seed
                 from occult.sweep import occult_placement
 
-                self._placements[key] = occult_placement(self.shape, self.router, num_devices, self.seed, balanced=True)
-            else:
-                self._placements[key] = sweep_placement(self.shape, self.router, num_devices, self.seed,
-                                                        coact_EE=self._coactivation())
+                self._placements[key] = occult_placement(self.shape, self.router, num_devices, self.seed, balanced)
         return self._placements[key]
 
     def ids(self, method: str, num_devices: int) -> torch.Tensor:
@@ -619,11 +615,6 @@ class ShapeTraces:
             self._routes[key] = prune_routing(self.logits_NE, self.shape.top_k, placement, spec.max_devices,
                                               num_devices)[0]
         return self._routes[key]
-
-    def _coactivation(self) -> np.ndarray:
-        if self._coact_EE is None:
-            self._coact_EE = calibration_coactivation(self.shape, self.router, self.seed)
-        return self._coact_EE
 
     def traffic_at(self, method: str, num_devices: int, tokens_per_gpu: int, elem_bytes: int = 2,
                    max_chunks: int = 8) -> list[Traffic]:
@@ -644,27 +635,6 @@ class ShapeTraces:
         if spec.static:
             chunks = [static_traffic(t, self.shape.hidden, elem_bytes) for t in chunks]
         return chunks
-
-
-def calibration_coactivation(shape: MoEShape, router: Any, seed: int) -> np.ndarray:
-    """The co-activation matrix `occult.sweep.occult_placement` places from (same seed, CPU)."""
-    from occult.sweep import CALIBRATION_TOKENS, derive_seed
-
-    gen = torch.Generator().manual_seed(derive_seed(seed, "calibration", shape.name))
-    x = torch.randn(CALIBRATION_TOKENS, shape.hidden, generator=gen)
-    ids = router.logits(x).topk(shape.top_k, dim=-1).indices
-    hits_NE = torch.zeros(CALIBRATION_TOKENS, shape.num_experts).scatter_(1, ids, 1.0)
-    return (hits_NE.t() @ hits_NE).numpy()
-
-
-def sweep_placement(shape: MoEShape, router: Any, num_devices: int, seed: int,
-                    coact_EE: np.ndarray | None = None) -> torch.Tensor:
-    """`occult.sweep.occult_placement` without a process group (same calibration batch and
-    `greedy_occult`, so the same placement the GPU sweeps used)."""
-    from occult.placement import greedy_occult
-
-    coact_EE = calibration_coactivation(shape, router, seed) if coact_EE is None else coact_EE
-    return torch.tensor(greedy_occult(coact_EE, num_devices).tolist(), dtype=torch.long)
 
 
 def point_components(chunks: Sequence[Traffic], shape: MoEShape, method: str, pass_: str, cost: CostModel,

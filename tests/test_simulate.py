@@ -32,7 +32,6 @@ from occult.simulate import (
     run_simulate,
     simulate_point,
     static_traffic,
-    sweep_placement,
     traffic,
     validate,
     wire_row_bytes,
@@ -222,17 +221,20 @@ def graph_slots(traces: ShapeTraces) -> int:
     return traces.traffic_at("occult-graph", 4, 256)[0].slots
 
 
-def test_sweep_placement_is_the_sweeps_placement():
+@pytest.mark.parametrize("method", ["occult", "occult-balanced"])
+def test_the_simulators_placement_is_the_sweeps_placement(method):
     from occult.ep.dist import run_ranks
-    from occult.sweep import SyntheticRouter, occult_placement
+    from occult.sweep import occult_placement
 
-    shape = get_shape("tiny")
+    shape = get_shape("olmoe")
+    traces = ShapeTraces(shape, 2048, seed=3)
 
     def in_rank(rank, world):
-        return occult_placement(shape, SyntheticRouter.make(shape, 3), world, 3).tolist()
+        return occult_placement(shape, traces.router, world, 3, balanced=method.endswith("balanced")).tolist()
 
-    from_sweep = run_ranks(in_rank, 2, timeout_s=30)[0]
-    assert sweep_placement(shape, SyntheticRouter.make(shape, 3), 2, 3).tolist() == from_sweep
+    from_sweep = run_ranks(in_rank, 2, timeout_s=60)[0]
+    assert traces.placement(method, 2).tolist() == from_sweep
+    assert traces.placement(method, 2).tolist() != traces.placement("occult-trivial", 2).tolist()
 
 
 def measured_csv(path, rows):
