@@ -47,7 +47,8 @@ def _pretrain(args, cfg) -> None:
     from occult.pretrain import pretrain
 
     def run() -> None:
-        pretrain(cfg, Path(args.data), Path(args.out), Path(args.log), Path(args.structure))
+        pretrain(cfg, Path(args.data), Path(args.out), Path(args.log), Path(args.structure),
+                 step_trace=Path(args.step_trace) if args.step_trace else None)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
@@ -140,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     stage("pretrain", _pretrain, "pre-train the tiny OLMoE from scratch",
           ("--data", "data directory"), ("--out", "checkpoint directory"),
           ("--log", "loss log CSV"), ("--structure", "router-structure JSON"),
-          outputs=("--out", "--log", "--structure"))
+          outputs=("--out", "--log", "--structure")).add_argument(
+        "--step-trace", default=None, metavar="JSON",
+        help="also write a torch.profiler summary of 5 training steps here (occult.steptrace)")
     stage("import-checkpoint", _import_checkpoint, "validate and link a local HF MoE checkpoint",
           ("--out", "checkpoint directory (a link to model.checkpoint)"))
     stage("profile", _profile, "co-activation, loads and router-logit statistics",

@@ -80,8 +80,10 @@ def trainable_parameters(model, train_modules: str) -> list[torch.nn.Parameter]:
 
 
 def train_variant(model, tokenizer, cfg: Config, variant: Variant, ids: torch.Tensor, labels: torch.Tensor,
-                  desc: str) -> list[dict]:
-    """Fine-tune `model` in place under the variant's routing; returns one log row per step."""
+                  desc: str, step_trace: Path | None = None) -> list[dict]:
+    """Fine-tune `model` in place under the variant's routing; returns one log row per step.
+    With `step_trace`, 5 steps after the first 10 are profiled there (`occult.steptrace`)."""
+    from occult.steptrace import StepTrace
     from occult.models import set_routing
     from occult.pretrain import autocast_for
 
@@ -98,9 +100,12 @@ def train_variant(model, tokenizer, cfg: Config, variant: Variant, ids: torch.Te
     pad = tokenizer.pad_token_id
     start = time.perf_counter()
     pending: list[tuple[dict, torch.Tensor]] = []
+    trace = StepTrace(step_trace, total=ft.steps, meta={"loop": "finetune", "arm": desc, "rows_per_step": ft.batch_size,
+                                        "seq_len": ft.seq_len})
     model.train()
     with progress(range(ft.steps), desc=desc, unit="step") as bar:
         for step in bar:
+            trace.step()
             batch = order[step * ft.batch_size : (step + 1) * ft.batch_size]
             lr = ft.lr * 0.5 * (1 + math.cos(math.pi * step / ft.steps))
             for group in opt.param_groups:
@@ -121,6 +126,7 @@ def train_variant(model, tokenizer, cfg: Config, variant: Variant, ids: torch.Te
                 bar.log(loss=pending[-1][0]["loss"], lr=pending[-1][0]["lr"])
                 pending.clear()
             rows.append(row)
+        trace.close()
     model.eval()
     model.zero_grad(set_to_none=True)
     for p in model.parameters():
@@ -168,13 +174,14 @@ def finetune(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
 
 def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, profile_dir: Path,
                   placements_dir: Path, out_root: Path, logs_root: Path,
-                  time_limit_s: float | None = None, shard: tuple[int, int] = (0, 1)) -> list[str]:
+                  time_limit_s: float | None = None, shard: tuple[int, int] = (0, 1),
+                  step_trace: Path | None = None) -> list[str]:
     """Fine-tune every arm of the quality study in one process (data encoded once, the base
     weights reloaded from memory for each arm). Arm `a` goes to `out_root/<a.name>` with its loss
     log at `logs_root/<a.name>_log.csv`; `raw` is the base model itself and is skipped. Arms whose
     output exists are skipped (resumable); no new arm starts after `time_limit_s`. `shard` (k, n)
-    keeps the arms at positions k, k + n, ... (one process per GPU). Returns the names of this
-    shard's arms still missing."""
+    keeps the arms at positions k, k + n, ... (one process per GPU). With `step_trace`, shard 0
+    profiles a few steps of its first arm there. Returns the names of this shard's arms still missing."""
     from occult.models import load_checkpoint, set_routing
     from occult.variants import arm_config, arms_before_deadline, routing_for_variant, shard_of
 
@@ -199,7 +206,8 @@ def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, prof
             model.load_state_dict(base_state)
             start = time.perf_counter()
             set_routing(model, routing_for_variant(arm_cfg, variant, placements_dir, profile_dir))
-            rows = train_variant(model, tokenizer, arm_cfg, variant, *encoded[seq_len], desc=f"finetune {arm.name}")
+            rows = train_variant(model, tokenizer, arm_cfg, variant, *encoded[seq_len], desc=f"finetune {arm.name}",
+                                 step_trace=step_trace if shard[0] == 0 and arm is todo[0] else None)
             meta = variant_meta(arm_cfg, variant, arm=arm.name)
             save_variant(model, tokenizer, meta, out_root / arm.name, logs_root / f"{arm.name}_log.csv", rows)
             log.info("arm %s: %d steps in %.1f s", arm.name, len(rows), time.perf_counter() - start)
@@ -220,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=None, help="start no arm after this many seconds")
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="K/N",
                         help="only the arms at positions K, K+N, ... (e.g. one process per GPU)")
+    parser.add_argument("--step-trace", metavar="JSON", help="shard 0: profile 5 steps of its first arm here")
     parser.add_argument("--log-json", metavar="PATH",
                         help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     missing = finetune_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.data), Path(args.profile),
-                            Path(args.placements), Path(args.out), Path(args.logs), args.time_limit, args.shard)
+                            Path(args.placements), Path(args.out), Path(args.logs), args.time_limit, args.shard,
+                            Path(args.step_trace) if args.step_trace else None)
     if missing:
         print(f"finetune: time limit reached; {len(missing)} arms left ({', '.join(missing)}); run again",
               file=sys.stderr)

@@ -71,6 +71,7 @@ from occult.profiling import (
     tokenize_documents,
 )
 from occult.provenance import atomic_path, provenance, seed_everything, write_csv, write_json
+from occult.steptrace import StepTrace
 
 EVAL_TOKENS = 16_384
 EVAL_POINTS = 5
@@ -345,12 +346,13 @@ def load_resume_state(path: Path, config_hash: str) -> dict[str, Any] | None:
 
 def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train_cfg: PretrainConfig,
           eval_every: int, *, resume_dir: Path | None = None, config_hash: str = "",
-          time_limit_s: float | None = None) -> list[dict[str, Any]]:
+          time_limit_s: float | None = None, step_trace: Path | None = None) -> list[dict[str, Any]]:
     """The training loop; returns one log row per step.
 
     With `resume_dir`, continues from a saved state there and saves one every
     CHECKPOINT_EVERY_S seconds and before raising `PretrainPaused` (time limit or SIGTERM).
     Under an initialised process group the ranks train data-parallel (module docstring).
+    With `step_trace`, rank 0 writes a profile of 5 steps after the first 10 there (`occult.steptrace`).
     """
     device = next(model.parameters()).device
     world, rank = data_parallel_rank()
@@ -375,6 +377,9 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
     start = time.perf_counter()
     last_save = time.monotonic()
     stop = StopRequest(time_limit_s)
+    trace = StepTrace(step_trace if rank == 0 else None, total=train_cfg.steps - first_step, meta={"loop": "pretrain", "first_step": first_step,
+                                                                "tokens_per_step": train_cfg.batch_size * train_cfg.seq_len,
+                                                                "data_parallel_ranks": world})
     pending: list[tuple[dict[str, Any], Tensor, Tensor | None]] = []   # rows whose losses are still on the device
 
     def flush() -> None:
@@ -400,6 +405,7 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
                    total=train_cfg.steps, disable=rank != 0)
     with bar, stop.on_sigterm():        # the bar closes (a final progress record) however the loop ends
         for step in bar:
+            trace.step()
             # data parallel: the ranks agree every STOP_CHECK_STEPS steps (one tiny all-reduce and
             # host sync), so that all of them save and stop at the same step
             due = save_due = False
@@ -440,6 +446,7 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
             row["elapsed_s"] = elapsed_before + time.perf_counter() - start
             rows.append(row)
         flush()
+        trace.close()
     model.eval()
     return rows
 
@@ -455,7 +462,7 @@ def save_model_dir(model: nn.Module, tokenizer, out_dir: Path, meta: dict[str, A
 
 
 def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structure_json: Path,
-             time_limit_s: float | None = None) -> None:
+             time_limit_s: float | None = None, step_trace: Path | None = None) -> None:
     """Pre-train the tiny OLMoE of `cfg.model` on `data_dir` (see the module docstring).
 
     Resumes from `<out_dir>.resume/` when an interrupted run of the same config left one there;
@@ -491,7 +498,7 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
     prep_s = time.perf_counter() - wall_start
     resume_dir = resume_dir_of(out_dir)
     rows = train(model, sampler, heldout, train_cfg, eval_every=max(1, train_cfg.steps // EVAL_POINTS),
-                 resume_dir=resume_dir, config_hash=cfg.hash(), time_limit_s=time_limit_s)
+                 resume_dir=resume_dir, config_hash=cfg.hash(), time_limit_s=time_limit_s, step_trace=step_trace)
     if rank != 0:               # rank 0 measures and writes; the others wait for it
         dist.barrier()
         return

@@ -175,15 +175,16 @@ def test_batched_scorer_equals_hflm(micro_data, tmp_path):
 # --------------------------------------------------------------------------- the scripts, end to end
 
 
-@pytest.mark.parametrize("gpus", ["1", "2"])
-def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus):
+@pytest.mark.parametrize("gpus,shards", [("1", ""), ("2", "3")])
+def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shards):
     """QUALITY_GPUS=2 on a CPU: data-parallel pre-training over 2 gloo ranks under torchrun, then
-    fine-tuning and evaluation in 2 processes, each on every other arm."""
+    fine-tuning and evaluation in QUALITY_SHARDS=3 processes (round-robin over the 2 "GPUs"), each on
+    every third arm; every arm is trained and scored once."""
     preset = tmp_path / "micro.yaml"
     preset.write_text(yaml.safe_dump(MICRO))
     env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python"),
            "OMP_NUM_THREADS": "1", "CARRY": str(tmp_path / "carry"), "OUT": str(tmp_path / "out"),
-           "SITE": "", "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}", "QUALITY_GPUS": gpus}
+           "SITE": "", "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}", "QUALITY_GPUS": gpus, "QUALITY_SHARDS": shards}
     pack = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert pack.returncode == 0, pack.stderr[-3000:]
@@ -196,6 +197,8 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus):
                              capture_output=True, text=True, timeout=400)
         assert run.returncode == 0, f"{phase}: {run.stdout[-3000:]}"
         assert "code tree: matches" in run.stdout
+        if shards and phase != "pretrain":
+            assert f"shard {int(shards) - 1}]" in run.stdout       # the last shard ran, on GPU 0 again
     # a tree that is not the packed one is named in the log and in the commit the results carry
     tree = tmp_path / "carry" / "TREE.sha256"
     lines = tree.read_text().splitlines()
@@ -211,7 +214,8 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus):
     assert {f"./evaluate/{a.name}.json" for a in arms} <= names
     assert {f"./finetune/{a.name}_log.csv" for a in arms if a.name != "raw"} <= names
     assert {"./model/pretrain_log.csv", "./model/router_structure.json", "./profile/profile.json",
-            "./placement/expected_ct.csv", "./timings.json", "./config.yaml"} <= names
+            "./placement/expected_ct.csv", "./timings.json", "./config.yaml", "./model/pretrain_steptrace.json",
+            "./finetune/steptrace.json"} <= names
     assert not any(n.endswith((".safetensors", ".pt", ".bin")) for n in names)
     with tarfile.open(tmp_path / "out" / "quality_results.tar.gz") as tar:
         pretrained = json.load(tar.extractfile("./model/occult_pretrain.json"))

@@ -13,6 +13,8 @@
 #      WORK_ROOT (default work: checkpoints and intermediates, never sent back),
 #      QUALITY_GPUS (default 1): GPUs to use; with N > 1 pre-training runs data parallel under
 #      torchrun and fine-tuning and evaluation run one process per GPU, each on every N-th arm.
+#      QUALITY_SHARDS (default QUALITY_GPUS): fine-tuning and evaluation processes, spread round-robin
+#      over the GPUs (2 on one GPU overlap one process's host work with the other's kernels).
 set -euo pipefail
 PHASE=${1:?usage: gpu_quality.sh pretrain|variants|evaluate|all}
 CARRY=${CARRY:-.carry/quality}
@@ -106,14 +108,18 @@ GPUS=${QUALITY_GPUS:-1}
 occult_cli=("$PY" -m occult)      # torchrun's own parser needs the "--" before the stage's flags
 [ "$GPUS" -gt 1 ] && occult_cli=("$PY" -m torch.distributed.run --nproc_per_node="$GPUS" -m occult --)
 
-# one process per GPU, each on every GPUS-th arm; exit 3 (time limit) wins over 0, any other failure over both
-# (the i-th GPU of an inherited CUDA_VISIBLE_DEVICES, so a lane confined to GPUs 2,3 stays there)
+# QUALITY_SHARDS processes (default: one per GPU), shard i on the (i mod GPUS)-th GPU, each on every
+# SHARDS-th arm; exit 3 (time limit) wins over 0, any other failure over both. The i-th GPU is that of an
+# inherited CUDA_VISIBLE_DEVICES, so a lane confined to GPUs 2,3 stays there. More shards than GPUs put
+# several fine-tuning or evaluation processes on one GPU: each arm's result is the same, its timing is shared.
+SHARDS=${QUALITY_SHARDS:-$GPUS}
 sharded() {
-    local pids=() rc=0 code i devices
+    local pids=() rc=0 code i device devices
     IFS=, read -r -a devices <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS - 1)))}"
-    for ((i = 0; i < GPUS; i++)); do
-        if [ "$GPUS" -gt 1 ]; then
-            CUDA_VISIBLE_DEVICES=${devices[$i]} "$@" --shard "$i/$GPUS" > >(sed "s/^/[gpu ${devices[$i]}] /") 2>&1 &
+    for ((i = 0; i < SHARDS; i++)); do
+        if [ "$SHARDS" -gt 1 ]; then
+            device=${devices[$(( i % GPUS ))]}
+            CUDA_VISIBLE_DEVICES=$device "$@" --shard "$i/$SHARDS" > >(sed "s/^/[gpu $device shard $i] /") 2>&1 &
         else
             "$@" &
         fi
@@ -131,7 +137,7 @@ run_pretrain() {
     local t0=$(date +%s) rc=0
     timeout --signal=TERM --kill-after=30 "$(left)" "${occult_cli[@]}" pretrain --config "$CONFIG" \
         --data "$DATA" --out "$WORK/model/base" --log "$RES/model/pretrain_log.csv" \
-        --structure "$RES/model/router_structure.json" || rc=$?
+        --structure "$RES/model/router_structure.json" --step-trace "$RES/model/pretrain_steptrace.json" || rc=$?
     timing pretrain $(( $(date +%s) - t0 ))
     [ -d "$WORK/model/base" ] && return 0
     echo "pretrain: paused (exit $rc); state in $WORK/model/base.resume; run this phase again"; return 3
@@ -152,7 +158,7 @@ run_variants() {
     local rc=0
     sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.finetune --config "$CONFIG" --model "$WORK/model/base" \
         --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" --out "$WORK/finetune" \
-        --logs "$RES/finetune" --time-limit $(( $(remaining) - 60 )) || rc=$?
+        --logs "$RES/finetune" --step-trace "$RES/finetune/steptrace.json" --time-limit $(( $(remaining) - 60 )) || rc=$?
     timing finetune $(( $(date +%s) - t0 ))
     return $rc
 }

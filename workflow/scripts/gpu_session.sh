@@ -49,7 +49,9 @@ poll)
     while [ ! -e "$R/done" ] && [ "$(date +%s)" -lt "$end" ]; do sleep 5; done
     [ -e "$R/done" ] && echo "runner: done" || echo "runner: still running"
     cp "$S/runner.log" "$R/runner.log" 2>/dev/null
-    tar -C "$R" --exclude=wheels -czf "$OUT/session.tgz" . && tail -40 "$S/runner.log" ;;
+    tar -C "$R" --exclude=wheels -czf "$OUT/session.tgz" . && tail -40 "$S/runner.log"
+    newest=$(ls -t "$R"/quality/*.log 2>/dev/null | head -1)     # the quality study's own progress
+    [ -n "$newest" ] && { echo "-- $newest"; tr '\r' '\n' < "$newest" | grep -v '^\s*$' | tail -4; } ;;
 run)
     T0=$(date +%s); END=$(( T0 + ${SESSION_BUDGET_S:-1440} ))
     export OCCULT_COMMIT=$(cat .carry/quality/COMMIT 2>/dev/null || echo unknown)
@@ -58,11 +60,13 @@ run)
       echo "commit: $OCCULT_COMMIT"; } > "$R/machine.txt" 2>&1
     python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1 || tail -5 "$R/install.log"
     here=workflow/scripts; trace=$ROOT/.carry/trace/routing_heldout.npz; sdist=$ROOT/.thirdparty/sdist
-    ( WHEEL_CACHE=$ROOT/.thirdparty/wheels bash $here/build_baselines.sh "$sdist" /tmp/occult-baselines
+    build=""     # the baselines build on the CPU while the GPUs work, for the stages that run them
+    case " ${SESSION_STAGES:-A Q D1} " in *" A "*|*" D1 "*|*" B "*|*" DN "*|*" L "*) ;; *) build=skip ;; esac
+    [ "$build" = skip ] || ( WHEEL_CACHE=$ROOT/.thirdparty/wheels bash $here/build_baselines.sh "$sdist" /tmp/occult-baselines
       mkdir -p /tmp/occult-tutel && tar xzf "$sdist"/tutel-*.tar.gz -C /tmp/occult-tutel
       ( cd /tmp/occult-tutel/*/ && python3 -m pip install -q --no-deps --no-build-isolation --no-index . ) \
         && python3 -c 'import tutel; print("import tutel: ok")' || echo "tutel: FAILED to install" ) > "$R/build.log" 2>&1 &
-    build=$!
+    [ "$build" = skip ] || build=$!
     stage_A() {     # EP benchmark and baselines on all GPUs, until the deadline $1
         local until=$1 group
         stamp "A: GPU tests"
