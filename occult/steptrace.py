@@ -89,7 +89,9 @@ class StepTrace:
         averages = profiler.key_averages()
         # kineto gives kernels and copies their own events (device type CUDA); host operators carry
         # the device time of the kernels they launched too, so only the former are summed
-        kernels = [e for e in averages if e.device_type != DeviceType.CPU]
+        # (record_function ranges also get a device-side copy, e.g. "Optimizer.step#AdamW.step", spanning
+        # kernels counted already: left out)
+        kernels = [e for e in averages if e.device_type != DeviceType.CPU and "#" not in e.key]
         host_ops = [e for e in averages if e.device_type == DeviceType.CPU]
         device_us = sum(_self_device_us(e) for e in kernels)
 
