@@ -48,6 +48,7 @@ class ModelConfig:
     top_k: int
     expert_ffn: int
     max_seq_len: int
+    experts_kernel: str = "grouped"     # "triton": the EP runtime's fused kernels (GPU), occult.models
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,8 @@ def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
 
     variant = parse_variant(variant_name)
     seed_everything(cfg.seed)
-    model, tokenizer = load_checkpoint(model_dir, device="cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = load_checkpoint(model_dir, device="cuda" if torch.cuda.is_available() else "cpu",
+                                       experts_kernel=cfg.model.experts_kernel)
     model.eval()
     set_routing(model, routing_for_variant(cfg, variant, placements_dir, profile_dir))
     tasks = list(cfg.data.eval_tasks)
@@ -251,7 +252,7 @@ def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path
                 arm_cfg = arm_config(cfg, arm)
                 seed_everything(arm_cfg.seed)
                 model_dir = base_model_dir if arm.name == "raw" else arms_root / arm.name
-                model, tokenizer = load_checkpoint(model_dir, device=device)
+                model, tokenizer = load_checkpoint(model_dir, device=device, experts_kernel=arm_cfg.model.experts_kernel)
                 model.eval()
                 set_routing(model, routing_for_variant(arm_cfg, arm.variant, placements_dir, profile_dir))
                 start = time.perf_counter()

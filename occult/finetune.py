@@ -159,7 +159,7 @@ def finetune(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
     variant = parse_variant(variant_name)
     seed_everything(cfg.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_checkpoint(model_dir, device=device)
+    model, tokenizer = load_checkpoint(model_dir, device=device, experts_kernel=cfg.model.experts_kernel)
     start = time.perf_counter()
     rows: list[dict] = []
     routing = routing_for_variant(cfg, variant, placements_dir, profile_dir)   # bad placement/profile: fail first
@@ -190,7 +190,7 @@ def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, prof
     if not todo:
         return []
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tokenizer = load_checkpoint(model_dir, device=device)
+    model, tokenizer = load_checkpoint(model_dir, device=device, experts_kernel=cfg.model.experts_kernel)
     base_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     encoded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     pairs = load_pairs(data_dir / "instructions.jsonl")

@@ -22,7 +22,10 @@ Expert compute: models built or loaded here run their fused experts through
 `grouped_experts_forward` (registered with transformers as `EXPERTS_IMPLEMENTATION`): one sort by
 expert and two grouped GEMMs per layer (no Python loop over experts), in the autocast dtype when
 autocast is on (bf16 on GPU), combined per token in fp32. Without a grouped GEMM in torch it runs
-transformers' own per-expert loop.
+transformers' own per-expert loop. `use_experts_kernel(model, "triton")` (config
+`model.experts_kernel`) runs them through the EP runtime's fused Triton kernels on one device instead
+(`fused_experts_forward`): the gather inside the gate/up GEMM, the gate-weighted fp32 reduction
+inside the down GEMM, no sort, unsort or fp32 copies of the (token, expert) rows.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ ROUTING_HOOK_ATTR = "_occult_routing"   # (fn, hook handle) stored on the router
 MOE_BLOCK_NAMES = ("mlp", "block_sparse_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 EXPERTS_IMPLEMENTATION = "occult_grouped"
+FUSED_IMPLEMENTATION = "occult_fused"
+EXPERTS_KERNELS = ("grouped", "triton")     # model.experts_kernel -> the implementation below
 
 
 class CheckpointError(ValueError):
@@ -155,23 +160,64 @@ def _looped_experts_forward(experts: nn.Module, hidden_states_TD: Tensor, top_k_
     return out_TD.to(hidden_states_TD.dtype)
 
 
+_ONE_DEVICE: dict[int, Tensor] = {}      # E -> the all-zeros placement of E experts (one per size)
+
+
+def fused_experts_forward(experts: nn.Module, hidden_states_TD: Tensor, top_k_index_TK: Tensor,
+                          top_k_weights_TK: Tensor) -> Tensor:
+    """The same maths through `occult.ep.ep_moe` on one device with the Triton kernels (dedup mode:
+    one row per token, its k experts reduced in fp32 inside the down-projection kernel).
+
+    GEMMs run in the autocast dtype when autocast is on (bf16 on GPU; the fp32 master weights are
+    cast, and their gradients flow back through the cast), else in the weights' dtype; the output
+    is cast back to the input's dtype. On a CPU only under TRITON_INTERPRET=1 (the tests).
+    """
+    import os
+
+    from occult.ep.layer import ep_moe
+
+    device_type = hidden_states_TD.device.type
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("model.experts_kernel: 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on a CPU); "
+                           "use 'grouped' here")
+    dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+             else experts.gate_up_proj.dtype)
+    num_experts = experts.gate_up_proj.shape[0]
+    placement_E = _ONE_DEVICE.setdefault(num_experts, torch.zeros(num_experts, dtype=torch.long))
+    with torch.autocast(device_type, enabled=False):
+        y_TD = ep_moe(hidden_states_TD.to(dtype), top_k_index_TK, top_k_weights_TK.float(), placement_E,
+                      experts.gate_up_proj.to(dtype), experts.down_proj.to(dtype), group=None, mode="dedup",
+                      backend="triton")
+    return y_TD.to(hidden_states_TD.dtype)
+
+
 def register_experts_implementation() -> None:
-    """Make `EXPERTS_IMPLEMENTATION` known to transformers (idempotent)."""
+    """Make `EXPERTS_IMPLEMENTATION` and `FUSED_IMPLEMENTATION` known to transformers (idempotent)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    if EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, grouped_experts_forward)
+    for name, function in ((EXPERTS_IMPLEMENTATION, grouped_experts_forward), (FUSED_IMPLEMENTATION, fused_experts_forward)):
+        if name not in ALL_EXPERTS_FUNCTIONS:
+            ALL_EXPERTS_FUNCTIONS.register(name, function)
 
 
-def use_grouped_experts(model: nn.Module) -> None:
-    """Run an OLMoE model's experts through `grouped_experts_forward` (other families keep theirs)."""
+def use_experts_kernel(model: nn.Module, kernel: str = "grouped") -> None:
+    """Run an OLMoE model's experts through `grouped_experts_forward` ("grouped") or
+    `fused_experts_forward` ("triton"); other model families keep theirs."""
+    if kernel not in EXPERTS_KERNELS:
+        raise ValueError(f"model.experts_kernel: {kernel!r} is not one of {EXPERTS_KERNELS}")
     if getattr(model.config, "model_type", None) != "olmoe":
         return
     register_experts_implementation()
-    model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+    model.set_experts_implementation(EXPERTS_IMPLEMENTATION if kernel == "grouped" else FUSED_IMPLEMENTATION)
 
 
-def load_checkpoint(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | None = None):
+def use_grouped_experts(model: nn.Module) -> None:
+    """`use_experts_kernel(model, "grouped")`."""
+    use_experts_kernel(model, "grouped")
+
+
+def load_checkpoint(path: str | Path, *, dtype: str | torch.dtype = "auto", device: str | None = None,
+                    experts_kernel: str = "grouped"):
     """Load a local HF MoE checkpoint and its tokenizer: `(model in eval mode, tokenizer)`.
 
     Only local files are read. Raises `CheckpointError` naming `path` when the directory, its
@@ -236,7 +282,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | torch.dtype = "auto", devi
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as err:
         raise CheckpointError(f"checkpoint {path}: tokenizer cannot be loaded ({type(err).__name__}: {err})") from err
-    use_grouped_experts(model)
+    use_experts_kernel(model, experts_kernel)       # OLMoE's experts: see the module docstring
     if device is not None:
         model = model.to(device)
     model.eval()

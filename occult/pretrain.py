@@ -60,7 +60,7 @@ from torch import Tensor, nn
 
 from occult.config import Config, PretrainConfig
 from occult.logs import progress
-from occult.models import build_tiny_olmoe, count_parameters
+from occult.models import build_tiny_olmoe, count_parameters, use_experts_kernel
 from occult.profiling import (
     TokenWindows,
     coactivation_counts,
@@ -492,6 +492,7 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
         seed=cfg.seed,
         router_aux_loss=train_cfg.router_aux_loss,
     )
+    use_experts_kernel(model, cfg.model.experts_kernel)
     world, rank = data_parallel_rank()
     model.to(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
     # (CPU results are unchanged by this line; under torchrun the current device is the rank's GPU)

@@ -424,7 +424,7 @@ def profile(
     """
     model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tokenizer = load_checkpoint(model_dir, device=device)
+    model, tokenizer = load_checkpoint(model_dir, device=device, experts_kernel=cfg.model.experts_kernel)
     set_routing(model, routing)
     corpus = data_dir / "corpus"
     splits = {

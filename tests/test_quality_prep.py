@@ -16,7 +16,16 @@ import torch
 import yaml
 
 from occult.config import load_config, merge
-from occult.models import EXPERTS_IMPLEMENTATION, _looped_experts_forward, build_tiny_olmoe, grouped_experts_forward
+from occult.models import (
+    EXPERTS_IMPLEMENTATION,
+    FUSED_IMPLEMENTATION,
+    _looped_experts_forward,
+    build_tiny_olmoe,
+    fused_experts_forward,
+    grouped_experts_forward,
+    load_checkpoint,
+    use_experts_kernel,
+)
 from occult.variants import Arm, arm_config, quality_arms
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,6 +81,60 @@ def test_models_use_the_grouped_path_and_match_transformers_eager():
         model.set_experts_implementation("eager")
         ref = model(input_ids=ids).logits
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 1), (37, 16, 4), (64, 64, 8)])
+def test_fused_experts_equal_the_grouped_path_forward_and_backward(tokens, experts, top_k):
+    """model.experts_kernel=triton: the EP runtime's kernels on one device (TRITON_INTERPRET=1 here,
+    fp32), against the grouped path, output and every gradient (router weights included)."""
+    torch.manual_seed(1)
+    model_cfg = dataclasses.replace(micro_config().model, num_experts=experts, top_k=top_k)
+    model = build_tiny_olmoe(model_cfg, 64, pad_token_id=None, bos_token_id=0, eos_token_id=0, seed=0)
+    block = model.model.layers[0].mlp.experts
+    x_TD = torch.randn(tokens, model_cfg.hidden_size, requires_grad=True)
+    ids_TK = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    ids_TK[: tokens // 2, 0] = 0                                      # a hot expert
+    w_TK = torch.rand(tokens, top_k, requires_grad=True)
+    got = fused_experts_forward(block, x_TD, ids_TK, w_TK)
+    ref = grouped_experts_forward(block, x_TD, ids_TK, w_TK)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    inputs = (x_TD, w_TK, block.gate_up_proj, block.down_proj)
+    upstream = torch.randn_like(ref)
+    for g, r in zip(torch.autograd.grad(got, inputs, upstream), torch.autograd.grad(ref, inputs, upstream)):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+
+
+def test_a_model_on_the_fused_kernels_gives_the_same_logits_and_loads_so(tmp_path):
+    cfg = micro_config()
+    model = build_tiny_olmoe(cfg.model, 128, pad_token_id=None, bos_token_id=0, eos_token_id=0, seed=1)
+    ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        use_experts_kernel(model, "triton")
+        assert model.config._experts_implementation == FUSED_IMPLEMENTATION
+        torch.testing.assert_close(model(input_ids=ids).logits, ref, atol=1e-5, rtol=1e-4)
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(tmp_path)           # a checkpoint written while on the fused path loads either way
+    words = Tokenizer(models.WordLevel({"<eos>": 0, "a": 1}, unk_token="<eos>"))
+    PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<eos>").save_pretrained(tmp_path)
+    for kernel, name in (("grouped", EXPERTS_IMPLEMENTATION), ("triton", FUSED_IMPLEMENTATION)):
+        loaded, _ = load_checkpoint(tmp_path, experts_kernel=kernel)
+        assert loaded.config._experts_implementation == name
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, ref, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="model.experts_kernel"):
+        use_experts_kernel(model, "cuda")
+
+
+def test_the_fused_kernels_refuse_a_cpu_without_the_interpreter(monkeypatch):
+    cfg = micro_config()
+    model = build_tiny_olmoe(cfg.model, 64, pad_token_id=None, bos_token_id=0, eos_token_id=0, seed=0)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    block = model.model.layers[0].mlp.experts
+    with pytest.raises(RuntimeError, match="model.experts_kernel: 'triton' needs a CUDA device"):
+        fused_experts_forward(block, torch.randn(3, 32), torch.zeros(3, 4, dtype=torch.long), torch.rand(3, 4))
 
 
 # --------------------------------------------------------------------------- the arms
@@ -184,7 +247,8 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shard
     preset.write_text(yaml.safe_dump(MICRO))
     env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python"),
            "OMP_NUM_THREADS": "1", "CARRY": str(tmp_path / "carry"), "OUT": str(tmp_path / "out"),
-           "SITE": "", "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}", "QUALITY_GPUS": gpus, "QUALITY_SHARDS": shards}
+           "SITE": "", "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}", "QUALITY_GPUS": gpus, "QUALITY_SHARDS": shards,
+           "TRAINBENCH_STEPS": "1", "TRAINBENCH_WARMUP": "0"}
     pack = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert pack.returncode == 0, pack.stderr[-3000:]
@@ -215,6 +279,7 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shard
     assert {f"./finetune/{a.name}_log.csv" for a in arms if a.name != "raw"} <= names
     assert {"./model/pretrain_log.csv", "./model/router_structure.json", "./profile/profile.json",
             "./placement/expected_ct.csv", "./timings.json", "./config.yaml", "./model/pretrain_steptrace.json",
+            "./model/trainbench.csv",
             "./finetune/steptrace.json"} <= names
     assert not any(n.endswith((".safetensors", ".pt", ".bin")) for n in names)
     with tarfile.open(tmp_path / "out" / "quality_results.tar.gz") as tar:

@@ -13,6 +13,7 @@
 #      WORK_ROOT (default work: checkpoints and intermediates, never sent back),
 #      QUALITY_GPUS (default 1): GPUs to use; with N > 1 pre-training runs data parallel under
 #      torchrun and fine-tuning and evaluation run one process per GPU, each on every N-th arm.
+#      TRAINBENCH_STEPS (default 10; 0: none), TRAINBENCH_WARMUP (3): occult.trainbench before pre-training,
 #      QUALITY_SHARDS (default QUALITY_GPUS): fine-tuning and evaluation processes, spread round-robin
 #      over the GPUs (2 on one GPU overlap one process's host work with the other's kernels).
 set -euo pipefail
@@ -135,6 +136,14 @@ sharded() {
 run_pretrain() {
     [ -d "$WORK/model/base" ] && { echo "pretrain: done already"; return 0; }
     local t0=$(date +%s) rc=0
+    # first, once: the step time under each expert kernel, side by side (and a kernel that fails here
+    # fails in seconds, not in the middle of the phase)
+    if [ "${TRAINBENCH_STEPS:-10}" -gt 0 ] && [ ! -f "$RES/model/trainbench.csv" ]; then
+        timeout 240 "$PY" -m occult.trainbench --config "$CONFIG" --out "$RES/model/trainbench.csv" \
+            --steps "${TRAINBENCH_STEPS:-10}" --warmup "${TRAINBENCH_WARMUP:-3}" \
+            || { echo "trainbench: FAILED (exit $?); the configured expert kernel may not run here"; return 1; }
+        timing trainbench $(( $(date +%s) - t0 )); t0=$(date +%s)
+    fi
     timeout --signal=TERM --kill-after=30 "$(left)" "${occult_cli[@]}" pretrain --config "$CONFIG" \
         --data "$DATA" --out "$WORK/model/base" --log "$RES/model/pretrain_log.csv" \
         --structure "$RES/model/router_structure.json" --step-trace "$RES/model/pretrain_steptrace.json" || rc=$?
