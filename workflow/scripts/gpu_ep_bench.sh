@@ -6,7 +6,7 @@
 # pairs per GPU; plus forward+backward at 2^14 tokens, the bf16 matmul peak of the same GPU, and
 # torch.profiler tables with the host syncs of one forward at 2^14 and 64 tokens (occult.ep.profile_gpu).
 # Usage: workflow/scripts/gpu_ep_bench.sh OUTDIR ROUTING_NPZ
-# env: EP_BENCH_AB=0 leaves out the fused-plan A/B; EP_BENCH_PROFILES (default "16384 64"; empty: none): tokens/GPU profiled.
+# env: EP_BENCH_AB=0 leaves out the fused-plan A/B; EP_BENCH_ORDER=0 the reversed-order rerun at 2^14; EP_BENCH_PROFILES (default "16384 64"; empty: none): tokens/GPU profiled.
 set -uo pipefail
 out=${1:?usage: gpu_ep_bench.sh OUTDIR ROUTING_NPZ}; trace=${2:?routing_heldout.npz of occult.profiling}
 mkdir -p "$out"
@@ -33,6 +33,14 @@ for routing in uniform trace; do
     --routing "$routing" --trace "$trace" --methods $methods --repeats 20 --warmup 5 --timeout-s 120 \
     --out "$out/ep_prefill_${routing}_D${gpus}.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -14
 done
+if [ "${EP_BENCH_ORDER:-1}" = 1 ]; then
+  # ep_v6 and ep_v7 measured the first method (occult) with ~1 ms more host time than the identical
+  # occult-nd2 at D=2 later in the same process: the same eager methods again, in the reverse order
+  echo "== order check: eager methods reversed, 2^14 tokens/GPU ($(date -u +%T))"
+  timeout 240 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind prefill --shapes olmoe --no-shared \
+    --routing uniform --sizes 16384 --methods occult-nd1 occult-nd2 occult-pe occult --repeats 20 --warmup 5 \
+    --timeout-s 120 --out "$out/ep_prefill_uniform_D${gpus}_reversed.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -6
+fi
 if [ "${EP_BENCH_AB:-1}" = 1 ]; then
   echo "== A/B: the same eager methods with the plain-torch plan, pack and BRIM_1 (OCCULT_FUSED_PLAN=0) ($(date -u +%T))"
   OCCULT_FUSED_PLAN=0 timeout 300 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind prefill --shapes olmoe --no-shared \
