@@ -27,7 +27,7 @@ import zipfile
 from pathlib import Path
 
 from occult.config import ConfigError, load_config
-from occult.logs import ENV_LOG_JSON, StageRun, log_event
+from occult.logs import ENV_LOG_JSON, StagePaused, StageRun, log_event
 
 log = logging.getLogger("occult")
 # bad or truncated inputs: one line naming the file, no traceback (a truncated .npz raises BadZipFile/EOFError)
@@ -192,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             args.func(args, cfg)
         except INPUT_ERRORS as err:
             return run.failed(err, brief=True)
+        except StagePaused as err:          # e.g. pretrain at its time limit: run the same command again
+            return run.failed(err, exit_code=err.exit_code, brief=True, label="paused")
         except BaseException as err:  # noqa: BLE001 - recorded with its traceback; the exit code says it failed
             return run.failed(err)
         return run.done(_outputs(args))

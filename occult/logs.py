@@ -505,6 +505,13 @@ class StageRun:
         return code
 
 
+class StagePaused(RuntimeError):
+    """A stage stopped early on purpose after saving its progress: the same command continues it.
+    The entry point reports it in one line (no traceback) and exits with `exit_code`."""
+
+    exit_code = 3
+
+
 BRIEF_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, ValueError, EOFError)
 
 

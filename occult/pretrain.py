@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from occult.config import Config, PretrainConfig
-from occult.logs import progress
+from occult.logs import StagePaused, progress
 from occult.models import build_tiny_olmoe, count_parameters, use_experts_kernel
 from occult.profiling import (
     TokenWindows,
@@ -84,8 +84,8 @@ STOP_CHECK_STEPS = 10             # data parallel: how often the ranks agree on 
 LOG_FLUSH_STEPS = 50
 
 
-class PretrainPaused(RuntimeError):
-    """Training stopped early (time limit or SIGTERM) after saving its resume state."""
+class PretrainPaused(StagePaused):
+    """Training stopped early (time limit or SIGTERM) after saving its resume state (CLI: exit 3)."""
 
 
 def load_tokenizer(tokenizer_dir: Path):

@@ -138,3 +138,21 @@ def test_missing_input_gives_one_line_naming_the_file(tmp_path, capsys, stage):
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"occult {stage}: error:") and named in lines[0], lines[0]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").rglob("*.*")), "no output on failure"
+
+
+def test_a_paused_pretrain_exits_3_with_one_line(tmp_path, capsys, monkeypatch):
+    import occult.pretrain
+    from occult.pretrain import PretrainPaused
+
+    def paused(*args, **kwargs):
+        raise PretrainPaused("pretraining paused at step 7 of 10; run the same command again to continue")
+
+    monkeypatch.setattr(occult.pretrain, "pretrain", paused)
+    out = tmp_path / "out"
+    code = main(["pretrain", "--config", str(REPO / "config" / "config.yaml"), "--data", str(tmp_path / "data"),
+                 "--out", str(out / "m"), "--log", str(out / "l.csv"), "--structure", str(out / "s.json")])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "Traceback" not in err
+    lines = error_lines(err)
+    assert len(lines) == 1 and "paused at step 7" in lines[0], lines
