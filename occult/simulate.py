@@ -12,17 +12,19 @@ expert) pairs and the bytes on the wire, in the runtime's exact format (`occult.
   * `naive` (`occult.baselines.naive`): one bare hidden vector per (token, expert), each way.
 
 (b) Time, as the runtime spends it. GPU time G = expert kernels (the busiest device's pairs at
-the measured kernel throughput for its rows per expert) + the other GPU work (plan, pack,
-combine: per handled row for Occult, per pair for the naive EP) + the all-to-alls (measured
-curve of bytes per rank) + the shared expert (dense FLOPs). An eager layer is also host-bound:
+the measured kernel throughput for the call's work, plus its active experts' weight reads, never
+below a latency floor) + the other GPU work (plan, pack, combine: per handled row for Occult, per
+pair for the naive EP) + the all-to-alls (measured curve of bytes per rank) + the shared expert
+(dense FLOPs). An eager layer is also host-bound:
 the host spends `pre` before the layer's one blocking sync (the GPU idles: nothing big is queued
 yet) and `post` launching what follows while the GPU works, so
 
     t = pre + max(post, G)        (eager: occult, -static, naive)      t = G   (`-graph`, `-compute`)
 
 Parameters are measured apart from the validation points: kernels from `-compute` rows (fwd
-curve, fwd+bwd scale), the grouped-GEMM curve (naive) and the all-to-all curve from commbench,
-Occult's other GPU work from `-graph` rows, and the host terms (pre, post) per (method family,
+curve, fwd+bwd scale) and their latency floor from graph replays smaller than any of them, the
+grouped-GEMM curve (naive) and the all-to-all curve from commbench, Occult's other GPU work from
+`-graph` rows, and the host terms (pre, post) per (method family,
 pass, D) fitted on the declared calibration rows only (`simulate.calibration`). Every other
 measured point validates. End-to-end = MoE layers × layer.
 
@@ -77,7 +79,7 @@ ROUTINGS = ("synthetic", "uniform", "trace")
 NAIVE_BYTES_D1, NAIVE_BYTES_EP = 30.0, 38.0
 MEASURED_COLUMNS = ("kind", "shape", "method", "D", "tokens_per_gpu", "median_ms", "status")
 ALLTOALL_COLUMNS = ("D", "pattern", "bytes_remote_per_rank", "median_ms")
-GEMM_COLUMNS = ("shape", "rows_per_expert", "pass", "tflops")      # pass: fwd | fwd+bwd
+GEMM_COLUMNS = ("shape", "experts", "hidden", "ffn", "rows_per_expert", "pass", "tflops")   # pass: fwd | fwd+bwd
 COMPONENTS = ("kernels_ms", "other_gpu_ms", "comm_ms", "shared_ms", "gpu_ms", "host_pre_ms", "host_post_ms")
 VALIDATION_COLUMNS = (
     "role", "kind", "shape", "method", "family", "routing", "D", "tokens_per_gpu", "batch", "measured_ms",
@@ -373,13 +375,30 @@ class HostTerms:
 
 @dataclass(frozen=True)
 class OtherGpuTerms:
-    """Occult's GPU work besides kernels and NCCL (plan, pack, combine): fixed + per handled row;
-    fwd+bwd = `train_factor` × forward."""
+    """Occult's GPU work besides kernels and NCCL (plan, pack, combine): fixed + per handled row.
+    fwd+bwd: its own fixed + per-row terms where the calibration holds fwd+bwd graph rows of ≥ 2
+    sizes (the backward's row-gradient combine and gate-gradient scatter are per-row work),
+    else `train_factor` × forward (one size measures only a ratio)."""
 
     fixed_ms: float
     per_row_ns: float
     train_factor: float | None      # None: no fwd+bwd graph row calibrated it
     points: int
+    train_fixed_ms: float | None = None
+    train_per_row_ns: float | None = None
+
+    def train_known(self) -> bool:
+        return self.train_per_row_ns is not None or self.train_factor is not None
+
+    def at(self, rows: np.ndarray, train: bool, per_row_ns: float | None = None) -> np.ndarray:
+        """ms of other GPU work for `rows` handled rows (`per_row_ns` overrides the forward rate)."""
+        rate = self.per_row_ns if per_row_ns is None else per_row_ns
+        if not train:
+            return self.fixed_ms + rows * rate * 1e-6
+        if self.train_per_row_ns is not None:       # another forward rate (per_expert) shifts the forward part
+            return (self.train_fixed_ms or 0.0) + rows * (self.train_per_row_ns + rate - self.per_row_ns) * 1e-6
+        factor = float("nan") if self.train_factor is None else self.train_factor
+        return (self.fixed_ms + rows * rate * 1e-6) * factor
 
 
 @dataclass(frozen=True)
@@ -387,11 +406,12 @@ class CostModel:
     """Every measured parameter of the time model; host/other-GPU terms are filled by `calibrate`."""
 
     link: LinkModel
-    kernel_tflops: LogLogCurve | None           # Occult kernels, fwd TFLOP/s vs rows per expert
+    kernel_tflops: LogLogCurve | None           # Occult kernels, fwd TFLOP/s vs the call's forward GFLOP
     kernel_train_scale: float | None            # Occult kernels, fwd+bwd time / fwd time (same pairs)
-    grouped_tflops: dict[tuple[str, str], LogLogCurve]   # (pass, shape) -> naive grouped GEMM TFLOP/s
+    grouped_tflops: dict[tuple[str, str], LogLogCurve]   # (pass, shape) -> naive grouped GEMM TFLOP/s vs GFLOP
     dense_tflops: float
     hbm_bytes_per_ms: float = math.inf                  # weight reads of small batches (None in config: no floor)
+    kernel_floor_ms: float = 0.0                # Occult expert kernels' latency floor above their weight reads
     other_gpu: OtherGpuTerms | None = None
     naive_ns_per_pair: dict[str, float] = dataclasses.field(default_factory=dict)   # pass -> ns at D = 1
     pe_per_row_ns: float | None = None          # per_expert rows' other GPU work (None: the dedup rate)
@@ -419,7 +439,7 @@ class CostModel:
             if self.kernel_tflops is None or (pass_ == "train" and self.kernel_train_scale is None):
                 return f"uncalibrated: no occult-compute {pass_} rows in simulate.calibration"
             if spec.family != "occult-compute" and (self.other_gpu is None or (
-                    pass_ == "train" and self.other_gpu.train_factor is None)):
+                    pass_ == "train" and not self.other_gpu.train_known())):
                 return f"uncalibrated: no occult-graph {pass_} rows in simulate.calibration"
         if spec.family in EAGER_FAMILIES and self.host_for(spec.family, pass_, num_devices) is None:
             return f"uncalibrated: no {spec.family} {pass_} points at D ≤ {num_devices} in simulate.calibration"
@@ -467,7 +487,7 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
     local_experts = shape.num_experts / num_devices
     train = pass_ == "train"
     flops_D = traffic_.pairs_in_D * expert_flops_per_pair(shape)
-    rows_per_expert_D = traffic_.pairs_in_D / local_experts
+    gflop_D = np.maximum(flops_D / 1e9, 1e-9)       # curve abscissa: the call's work (tiles to fill the GPU)
     active_D = (np.full(num_devices, local_experts) if traffic_.active_experts_D is None
                 else traffic_.active_experts_D)
     floor_D = np.array([weight_read_ms(a, shape, pass_, cost.hbm_bytes_per_ms) for a in active_D])
@@ -475,8 +495,8 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
         curve = cost.grouped_tflops.get((pass_, shape.name))
         if curve is None:
             raise SimulateError(f"simulate.gemm_csv: no grouped-GEMM {pass_} rows for shape {shape.name}")
-        kernels_D = np.array([f * (3.0 if train else 1.0) / (curve(max(r, 1.0)) * 1e12) * 1e3
-                              for f, r in zip(flops_D, rows_per_expert_D)])
+        kernels_D = np.array([f * (3.0 if train else 1.0) / (curve(g) * 1e12) * 1e3
+                              for f, g in zip(flops_D, gflop_D)])
         kernels_D = np.maximum(kernels_D, floor_D)
         bytes_factor = (NAIVE_BYTES_EP if num_devices > 1 else NAIVE_BYTES_D1) / NAIVE_BYTES_D1
         pairs_handled_D = (traffic_.pairs_SD.sum(1) + traffic_.pairs_SD.sum(0)) / 2
@@ -484,16 +504,18 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
     else:
         if cost.kernel_tflops is None:
             raise SimulateError("simulate.calibration: no occult-compute rows give the kernel throughput")
-        kernels_D = np.array([f / (cost.kernel_tflops(max(r, 1.0)) * 1e12) * 1e3
-                              for f, r in zip(flops_D, rows_per_expert_D)])
+        # math at the curve's throughput for the call's work, plus the weight reads, which a call with
+        # few rows per expert does not hide behind its math (the curve is fitted net of them)
+        kernels_D = np.array([f / (cost.kernel_tflops(g) * 1e12) * 1e3 for f, g in zip(flops_D, gflop_D)])
         if train:
             kernels_D = kernels_D * (cost.kernel_train_scale or float("nan"))
-        kernels_D = np.maximum(kernels_D, floor_D)
+        kernels_D = kernels_D + floor_D
+        # below the smallest measured call the chain of expert kernels is latency-bound: weight reads
+        # plus a fixed floor (fitted on graph replays smaller than any `-compute` row)
+        kernels_D = np.maximum(kernels_D, floor_D + cost.kernel_floor_ms * WEIGHT_PASSES[pass_])
         terms = cost.other_gpu or OtherGpuTerms(0.0, 0.0, 1.0, 0)
-        factor = (float("nan") if terms.train_factor is None else terms.train_factor) if train else 1.0
-        per_row_ns = cost.pe_per_row_ns if spec.mode == "per_expert" and cost.pe_per_row_ns is not None \
-            else terms.per_row_ns
-        other_D = (terms.fixed_ms + traffic_.row_work_D * per_row_ns * 1e-6) * factor
+        per_row_ns = cost.pe_per_row_ns if spec.mode == "per_expert" and cost.pe_per_row_ns is not None else None
+        other_D = terms.at(traffic_.row_work_D, train, per_row_ns)
         if spec.family == "occult-compute":
             other_D = np.zeros_like(kernels_D)
     busiest = int(np.argmax(kernels_D + other_D))
@@ -718,8 +740,13 @@ def alltoall_curves(path: str | Path | None) -> dict[int, LogLogCurve]:
 
 
 def grouped_gemm_curves(path: str | Path | None, min_rows_per_expert: int) -> dict[tuple[str, str], LogLogCurve]:
-    """(pass, shape) -> grouped-GEMM TFLOP/s vs rows per expert from commbench's `gemm.csv`, from
-    `min_rows_per_expert` up (smaller calls of the benchmark are launch-bound) and flat outside."""
+    """(pass, shape) -> grouped-GEMM TFLOP/s vs the call's forward GFLOP (experts × rows per expert ×
+    2·3·d·F) from commbench's `gemm.csv`, from `min_rows_per_expert` up (smaller calls of the
+    benchmark are launch-bound) and flat outside.
+
+    The abscissa is the call's work, not its rows per expert: the benchmark runs 8 experts, a
+    layer's device 16–64, and a grouped GEMM's throughput is set by how many output tiles it has to
+    fill the GPU's SMs with (∝ rows × F summed over experts) once each expert has a full row tile."""
     if path is None:
         return {}
     frame = read_table(path, GEMM_COLUMNS, "simulate.gemm_csv")
@@ -729,9 +756,10 @@ def grouped_gemm_curves(path: str | Path | None, min_rows_per_expert: int) -> di
         if kept.empty:
             raise SimulateError(f"simulate.gemm_csv: {path} has no {shape} {gemm_pass} rows with ≥ "
                                 f"{min_rows_per_expert} rows per expert")
-        by_rows = kept.groupby("rows_per_expert")["tflops"].median().sort_index()
+        gflop = kept["experts"] * kept["rows_per_expert"] * 6.0 * kept["hidden"] * kept["ffn"] / 1e9
+        by_work = kept.assign(gflop=gflop).groupby("gflop")["tflops"].median().sort_index()
         pass_ = "train" if gemm_pass == "fwd+bwd" else "fwd"
-        curves[(pass_, str(shape))] = LogLogCurve(by_rows.index.to_numpy(float), by_rows.to_numpy(float), extend="flat")
+        curves[(pass_, str(shape))] = LogLogCurve(by_work.index.to_numpy(float), by_work.to_numpy(float), extend="flat")
     return curves
 
 
@@ -870,6 +898,10 @@ class MeasuredPoint:
     def measured_ms(self) -> float:
         return float(self.row.median_ms)
 
+    def kernel_gflop(self) -> float:
+        """Forward GFLOP of the busiest device's expert call (the kernel curve's abscissa)."""
+        return float(np.mean([t.pairs_in_D.max() for t in self.chunks])) * expert_flops_per_pair(self.shape) / 1e9
+
     def components(self, cost: CostModel) -> dict[str, float]:
         out = point_components(self.chunks, self.shape, self.spec.name, self.pass_, cost, int(self.row.tokens_per_gpu))
         out["row_work"] = float(np.mean([t.row_work_D.max() for t in self.chunks]))
@@ -911,10 +943,18 @@ def measured_points(measured, traces: dict[str, ShapeTraces]) -> tuple[list[Meas
     return points, skipped
 
 
-def kernel_rows(points: Sequence[MeasuredPoint], pass_: str,
-                dense_tflops: float) -> list[tuple[float, float, MeasuredPoint]]:
-    """(rows per expert, TFLOP/s, point) of the calibration `-compute` rows of a pass, from the
-    busiest rank's recorded pairs (the trace's when the row has none)."""
+def point_weight_ms(p: "MeasuredPoint", pass_: str, hbm_bytes_per_ms: float) -> float:
+    """Weight reads of the busiest device's active experts at a measured point (mean over chunks)."""
+    local = p.shape.num_experts / p.num_devices
+    active = [float(np.max(t.active_experts_D)) if t.active_experts_D is not None else local for t in p.chunks]
+    return weight_read_ms(float(np.mean(active)), p.shape, pass_, hbm_bytes_per_ms)
+
+
+def kernel_rows(points: Sequence[MeasuredPoint], pass_: str, dense_tflops: float,
+                hbm_bytes_per_ms: float = math.inf) -> list[tuple[float, float, MeasuredPoint]]:
+    """(forward GFLOP of the call, TFLOP/s of its math, point) of the calibration `-compute` rows of
+    a pass, from the busiest rank's recorded pairs (the trace's when the row has none); the math is
+    the measured time less the shared expert and the experts' weight reads."""
     out = []
     for p in points:
         if p.row.role != "calibration" or p.spec.family != "occult-compute" or p.pass_ != pass_:
@@ -923,8 +963,12 @@ def kernel_rows(points: Sequence[MeasuredPoint], pass_: str,
         if not np.isfinite(pairs):
             pairs = float(np.mean([t.pairs_in_D.max() for t in p.chunks]))
         ms = p.measured_ms - shared_expert_ms(p.shape, float(p.row.tokens_per_gpu), pass_, dense_tflops)
+        ms -= point_weight_ms(p, pass_, hbm_bytes_per_ms)
+        if ms <= 0:
+            raise SimulateError(f"simulate.calibration: {p.row.source}: {p.row.method} at {p.row.tokens_per_gpu} "
+                                "tokens/GPU is faster than its experts' weight reads (hbm_gbps too low?)")
         flops = pairs * expert_flops_per_pair(p.shape)
-        out.append((pairs / (p.shape.num_experts / p.num_devices), flops / (ms * 1e-3) / 1e12, p))
+        out.append((flops / 1e9, flops / (ms * 1e-3) / 1e12, p))
     return out
 
 
@@ -933,25 +977,26 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
     from the calibration points only (in that order: each step uses the ones before)."""
     calib = [p for p in points if p.row.role == "calibration"]
     # 1. kernels: forward TFLOP/s curve, fwd+bwd scale at the same pairs
-    fwd = kernel_rows(calib, "fwd", cost.dense_tflops)
+    fwd = kernel_rows(calib, "fwd", cost.dense_tflops, cost.hbm_bytes_per_ms)
     if fwd:
         by_x: dict[float, list[float]] = {}
         for x, tflops, _ in fwd:
-            by_x.setdefault(round(x, 3), []).append(tflops)
+            by_x.setdefault(float(f"{x:.6g}"), []).append(tflops)
         xs = np.array(sorted(by_x))
         cost = dataclasses.replace(cost, kernel_tflops=LogLogCurve(xs, np.array([np.median(by_x[x]) for x in xs]),
                                                                    extend="flat"))
-        train = kernel_rows(calib, "train", cost.dense_tflops)
+        train = kernel_rows(calib, "train", cost.dense_tflops, cost.hbm_bytes_per_ms)
         if train:
             scales = []
-            for _, _, p in train:
-                tokens = int(p.row.tokens_per_gpu)
-                kernels_ms = p.measured_ms - shared_expert_ms(p.shape, tokens, "train", cost.dense_tflops)
-                scales.append(kernels_ms / gpu_components(p.chunks[0], p.shape, p.spec, "fwd", cost, tokens)["kernels_ms"])
+            for gflop, tflops, p in train:     # fwd+bwd math over forward math at the same call
+                scales.append(cost.kernel_tflops(gflop) / tflops)
             cost = dataclasses.replace(cost, kernel_train_scale=float(np.median(scales)))
     # 2. Occult's other GPU work, from graph replays (no host time in them)
     if cost.kernel_tflops is not None:
         graphs = [p for p in calib if p.spec.family == "occult-graph" and p.pass_ == "fwd"]
+        measured_range = [p for p in graphs if p.kernel_gflop() >= cost.kernel_tflops.x[0] * (1 - 1e-9)]
+        small = [p for p in graphs if p not in measured_range]
+        graphs = measured_range or graphs
         if graphs:
             zero = dataclasses.replace(cost, other_gpu=OtherGpuTerms(0.0, 0.0, 1.0, 0))
             residual = np.array([p.measured_ms - p.components(zero)["gpu_ms"] for p in graphs])
@@ -962,10 +1007,17 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
             trains = [p for p in calib if p.spec.family == "occult-graph" and p.pass_ == "train"]
             if trains and cost.kernel_train_scale is not None:
                 zero_train = dataclasses.replace(cost, other_gpu=OtherGpuTerms(0.0, 0.0, 0.0, 0))
-                factors = [(p.measured_ms - p.components(zero_train)["gpu_ms"])
-                           / (fixed + p.components(zero_train)["row_work"] * per_row_ms) for p in trains]
+                residual = np.array([p.measured_ms - p.components(zero_train)["gpu_ms"] for p in trains])
+                rows = np.array([p.components(zero_train)["row_work"] for p in trains])
+                factors = residual / (fixed + rows * per_row_ms)
                 terms = dataclasses.replace(terms, train_factor=max(float(np.median(factors)), 0.0))
+                if len(np.unique(np.round(rows))) >= 2:       # sizes apart: fixed + per-row of fwd+bwd
+                    t_fixed, t_rate = fit_linear_nonnegative(residual, rows, np.array([p.measured_ms for p in trains]))
+                    terms = dataclasses.replace(terms, train_fixed_ms=t_fixed, train_per_row_ns=t_rate * 1e6,
+                                                train_factor=None)
             cost = dataclasses.replace(cost, other_gpu=terms)
+            if small and measured_range:
+                cost = calibrate_kernel_floor(small, cost)
     # 3. naive: per-pair memory-bound cost (shared by every D of a pass) and host terms per D
     for pass_ in PASSES:
         naive = [p for p in calib if p.spec.family == "naive" and p.pass_ == pass_]
@@ -991,6 +1043,19 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
                 fits[num_devices] = (*fit_host(gpu, np.array([p.measured_ms for p in chosen]))[:2], gpu, len(chosen))
             host.update(host_terms(family, pass_, fits))
     return dataclasses.replace(cost, host=host)
+
+
+def calibrate_kernel_floor(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
+    """The expert kernels' latency floor (ms above their weight reads): the median over forward
+    graph replays smaller than every `-compute` calibration row of what the other terms leave."""
+    floors = []
+    for p in points:
+        parts = p.components(dataclasses.replace(cost, kernel_floor_ms=0.0))
+        weights = float(np.mean([weight_read_ms(float(np.max(t.active_experts_D if t.active_experts_D is not None
+                                                                 else [p.shape.num_experts / p.num_devices])),
+                                                p.shape, "fwd", cost.hbm_bytes_per_ms) for t in p.chunks]))
+        floors.append(p.measured_ms - (parts["gpu_ms"] - parts["kernels_ms"]) - weights)
+    return dataclasses.replace(cost, kernel_floor_ms=max(float(np.median(floors)), 0.0))
 
 
 def host_terms(family: str, pass_: str, fits: dict[int, tuple[float, float, np.ndarray, int]]
@@ -1189,12 +1254,13 @@ def cost_summary(cost: CostModel) -> dict[str, Any]:
     """The calibrated parameters, for the sidecar."""
     curve = cost.kernel_tflops
     return {
-        "kernel_tflops_by_rows_per_expert": (dict(zip(curve.x.tolist(), np.round(curve.y, 2).tolist()))
+        "kernel_tflops_by_call_gflop": (dict(zip(curve.x.tolist(), np.round(curve.y, 2).tolist()))
                                              if curve is not None else None),
         "kernel_train_scale": cost.kernel_train_scale,
         "other_gpu": dataclasses.asdict(cost.other_gpu) if cost.other_gpu else None,
         "naive_ns_per_pair_D1": cost.naive_ns_per_pair,
         "per_expert_other_gpu_ns_per_row": cost.pe_per_row_ns,
+        "kernel_floor_ms": cost.kernel_floor_ms,
         "hbm_gbps": cost.hbm_bytes_per_ms * 1e3 / 1e9 if math.isfinite(cost.hbm_bytes_per_ms) else None,
         "naive_bytes_factor_D_gt_1": NAIVE_BYTES_EP / NAIVE_BYTES_D1,
         "host": {f"{f}/{p}/D={d}": dataclasses.asdict(h) for (f, p, d), h in sorted(cost.host.items())},
@@ -1332,8 +1398,12 @@ def print_summary(table, cost: CostModel, terms: bool = True) -> None:
         print(f"host {family:>13} {pass_:<5} D={num_devices}: pre {host.pre_ms:.2f} ms, post {host.post_ms:.2f} ms "
               f"({host.source})")
     if terms and cost.other_gpu is not None:
-        print(f"occult other GPU work: {cost.other_gpu.fixed_ms:.3f} ms + {cost.other_gpu.per_row_ns:.2f} ns/row, "
-              f"fwd+bwd x{cost.other_gpu.train_factor}")
+        other = cost.other_gpu
+        train = (f"fwd+bwd {other.train_fixed_ms:.3f} ms + {other.train_per_row_ns:.2f} ns/row"
+                 if other.train_per_row_ns is not None else f"fwd+bwd x{other.train_factor}")
+        print(f"occult other GPU work: {other.fixed_ms:.3f} ms + {other.per_row_ns:.2f} ns/row, {train}")
+    if terms and cost.kernel_floor_ms:
+        print(f"occult expert kernels' latency floor: {cost.kernel_floor_ms:.3f} ms above their weight reads")
     if terms and cost.pe_per_row_ns is not None:
         print(f"per_expert other GPU work: {cost.pe_per_row_ns:.2f} ns/row")
     for pass_, rate in sorted(cost.naive_ns_per_pair.items() if terms else ()):

@@ -54,7 +54,9 @@ def settings(**changes) -> SimulateConfig:
 
 def gemm_csv(path) -> str:
     """A grouped-GEMM curve for the tiny shape (commbench columns)."""
-    rows = [{"shape": "tiny", "rows_per_expert": r, "pass": p, "tflops": t * (1 if p == "fwd" else 0.8)}
+    shape = get_shape("tiny")
+    rows = [{"shape": "tiny", "experts": 8, "hidden": shape.hidden, "ffn": shape.ffn, "rows_per_expert": r, "pass": p,
+             "tflops": t * (1 if p == "fwd" else 0.8)}
             for r, t in ((4, 1.0), (64, 10.0), (1024, 100.0)) for p in ("fwd", "fwd+bwd")]
     pd.DataFrame(rows).to_csv(path, index=False)
     return str(path)
@@ -399,14 +401,20 @@ def test_weights_set_a_floor_under_small_batches():
 
     spec = method_spec("occult-graph")
     floor = 8 * 3 * shape.hidden * shape.ffn * 2 / 4e9
-    assert gpu_components(one, shape, spec, "fwd", cost, 1)["kernels_ms"] == pytest.approx(floor)
-    assert gpu_components(one, shape, spec, "train", cost, 1)["kernels_ms"] == pytest.approx(3 * floor)
+    math_one = 8 * 6 * shape.hidden * shape.ffn / 400e12 * 1e3
+    assert gpu_components(one, shape, spec, "fwd", cost, 1)["kernels_ms"] == pytest.approx(floor + math_one)
+    assert gpu_components(one, shape, spec, "train", cost, 1)["kernels_ms"] == pytest.approx(3 * floor + 3 * math_one)
     no_floor = dataclasses.replace(cost, hbm_bytes_per_ms=float("inf"))
     assert gpu_components(one, shape, spec, "fwd", no_floor, 1)["kernels_ms"] < floor / 50
+    # the expert kernels' latency floor sits above the weight reads (× 3 passes in fwd+bwd)
+    latency = dataclasses.replace(cost, kernel_floor_ms=0.1)
+    assert gpu_components(one, shape, spec, "fwd", latency, 1)["kernels_ms"] == pytest.approx(floor + 0.1)
+    assert gpu_components(one, shape, spec, "train", latency, 1)["kernels_ms"] == pytest.approx(3 * (floor + 0.1))
     many = traffic(np.random.default_rng(0).integers(0, 64, (65536, 8)), np.zeros(64, dtype=np.int64), 1, "dedup",
                    shape.hidden)
     flops_ms = 65536 * 8 * 6 * shape.hidden * shape.ffn / 400e12 * 1e3
-    assert gpu_components(many, shape, spec, "fwd", cost, 65536)["kernels_ms"] == pytest.approx(flops_ms)
+    # large calls: the math dominates; the weights are read once more on top of it
+    assert gpu_components(many, shape, spec, "fwd", cost, 65536)["kernels_ms"] == pytest.approx(flops_ms + 64 * floor / 8)
 
 
 def test_per_expert_rows_get_their_own_rate_and_history_sets_validate_apart(tmp_path):
@@ -454,3 +462,35 @@ def test_balanced_methods_use_the_sweeps_load_aware_placement():
 
     assert busiest_over_mean("occult") > 1.5
     assert busiest_over_mean("occult-balanced") <= 1.15
+
+
+def test_kernel_floor_and_train_other_work_come_from_calibration_rows_only(tmp_path):
+    """Graph replays smaller than every `-compute` row fit the expert kernels' latency floor;
+    fwd+bwd graph rows of two sizes fit their own fixed + per-row other work; neither moves when a
+    validation measurement does. A grouped-GEMM file without its work columns is named."""
+    fits = []
+    for shift in (0.0, 2.0):
+        rows = []
+        for t in (16, 64, 256, 1024, 4096):
+            rows.append({"kind": "prefill", "shape": "tiny", "method": "occult-graph", "D": 2, "tokens_per_gpu": t,
+                         "median_ms": 0.15 + t / 20000 + (shift if t == 64 else 0.0)})
+            if t >= 256:
+                rows.append({"kind": "prefill", "shape": "tiny", "method": "occult-compute", "D": 2,
+                             "tokens_per_gpu": t, "median_ms": 0.001 + t / 100000, "pairs_received_max": 2 * t})
+        rows.append({"kind": "train", "shape": "tiny", "method": "occult-compute", "D": 2, "tokens_per_gpu": 512,
+                     "median_ms": 3.2 * (0.001 + 512 / 100000), "pairs_received_max": 2 * 512})
+        for t in (512, 2048, 8192):
+            rows.append({"kind": "train", "shape": "tiny", "method": "occult-graph", "D": 2, "tokens_per_gpu": t,
+                         "median_ms": 0.3 + t / 5000 + (shift if t == 2048 else 0.0)})
+        path = measured_csv(tmp_path / f"floor{shift}.csv", rows)
+        cfg = settings(measured=(path,), calibration=(f"{path}@tokens_per_gpu=16,256,1024,4096,512,8192",))
+        traces = {"tiny": ShapeTraces(get_shape("tiny"), cfg.pool_tokens, 0)}
+        table, fitted = validate(cfg, traces, build_cost_model(cfg), read_measured(cfg.measured, cfg.calibration))
+        fits.append(fitted)
+    assert set(table.loc[table["tokens_per_gpu"].isin([64, 2048]), "role"]) == {"validation"}
+    assert fits[0].kernel_floor_ms > 0 and fits[0].other_gpu.train_per_row_ns is not None
+    assert fits[0].kernel_floor_ms == fits[1].kernel_floor_ms and fits[0].other_gpu == fits[1].other_gpu
+    bad = tmp_path / "gemm.csv"
+    pd.DataFrame([{"shape": "tiny", "rows_per_expert": 64, "pass": "fwd", "tflops": 1.0}]).to_csv(bad, index=False)
+    with pytest.raises(SimulateError, match=r"simulate.gemm_csv: .*gemm.csv lacks column\(s\) experts, hidden, ffn"):
+        build_cost_model(settings(gemm_csv=str(bad)))
