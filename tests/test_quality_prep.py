@@ -53,15 +53,23 @@ def micro_config(**overrides):
 # --------------------------------------------------------------------------- expert compute
 
 
+def experts_case(tokens: int, experts: int, top_k: int, *, hot: bool = False):
+    """A micro model's first experts module and random inputs: (block, x_TD, ids_TK, w_TK); with
+    `hot`, the first half of the tokens all pick expert 0 (k distinct experts per token still)."""
+    model_cfg = dataclasses.replace(micro_config().model, num_experts=experts, top_k=top_k)
+    model = build_tiny_olmoe(model_cfg, 64, pad_token_id=None, bos_token_id=0, eos_token_id=0, seed=0)
+    x_TD = torch.randn(tokens, model_cfg.hidden_size, requires_grad=True)
+    ids_TK = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
+    if hot:
+        for t in range(tokens // 2):
+            ids_TK[t] = torch.cat([torch.zeros(1, dtype=torch.long), torch.randperm(experts - 1)[: top_k - 1] + 1])
+    return model.model.layers[0].mlp.experts, x_TD, ids_TK, torch.rand(tokens, top_k, requires_grad=True)
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 4, 1), (37, 16, 4), (64, 64, 8)])
 def test_grouped_experts_equal_the_loop_forward_and_backward(tokens, experts, top_k):
     torch.manual_seed(0)
-    model_cfg = dataclasses.replace(micro_config().model, num_experts=experts, top_k=top_k)
-    model = build_tiny_olmoe(model_cfg, 64, pad_token_id=None, bos_token_id=0, eos_token_id=0, seed=0)
-    block = model.model.layers[0].mlp.experts
-    x_TD = torch.randn(tokens, model_cfg.hidden_size, requires_grad=True)
-    ids_TK = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
-    w_TK = torch.rand(tokens, top_k, requires_grad=True)
+    block, x_TD, ids_TK, w_TK = experts_case(tokens, experts, top_k)
     got = grouped_experts_forward(block, x_TD, ids_TK, w_TK)
     ref = _looped_experts_forward(block, x_TD, ids_TK, w_TK)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
@@ -88,13 +96,7 @@ def test_fused_experts_equal_the_grouped_path_forward_and_backward(tokens, exper
     """model.experts_kernel=triton: the EP runtime's kernels on one device (TRITON_INTERPRET=1 here,
     fp32), against the grouped path, output and every gradient (router weights included)."""
     torch.manual_seed(1)
-    model_cfg = dataclasses.replace(micro_config().model, num_experts=experts, top_k=top_k)
-    model = build_tiny_olmoe(model_cfg, 64, pad_token_id=None, bos_token_id=0, eos_token_id=0, seed=0)
-    block = model.model.layers[0].mlp.experts
-    x_TD = torch.randn(tokens, model_cfg.hidden_size, requires_grad=True)
-    ids_TK = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)])
-    ids_TK[: tokens // 2, 0] = 0                                      # a hot expert
-    w_TK = torch.rand(tokens, top_k, requires_grad=True)
+    block, x_TD, ids_TK, w_TK = experts_case(tokens, experts, top_k, hot=True)
     got = fused_experts_forward(block, x_TD, ids_TK, w_TK)
     ref = grouped_experts_forward(block, x_TD, ids_TK, w_TK)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
