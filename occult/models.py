@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -172,8 +173,6 @@ def fused_experts_forward(experts: nn.Module, hidden_states_TD: Tensor, top_k_in
     cast, and their gradients flow back through the cast), else in the weights' dtype; the output
     is cast back to the input's dtype. On a CPU only under TRITON_INTERPRET=1 (the tests).
     """
-    import os
-
     from occult.ep.layer import ep_moe
 
     device_type = hidden_states_TD.device.type
@@ -183,7 +182,9 @@ def fused_experts_forward(experts: nn.Module, hidden_states_TD: Tensor, top_k_in
     dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
              else experts.gate_up_proj.dtype)
     num_experts = experts.gate_up_proj.shape[0]
-    placement_E = _ONE_DEVICE.setdefault(num_experts, torch.zeros(num_experts, dtype=torch.long))
+    placement_E = _ONE_DEVICE.get(num_experts)
+    if placement_E is None:
+        placement_E = _ONE_DEVICE[num_experts] = torch.zeros(num_experts, dtype=torch.long)
     with torch.autocast(device_type, enabled=False):
         y_TD = ep_moe(hidden_states_TD.to(dtype), top_k_index_TK, top_k_weights_TK.float(), placement_E,
                       experts.gate_up_proj.to(dtype), experts.down_proj.to(dtype), group=None, mode="dedup",

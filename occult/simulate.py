@@ -1051,9 +1051,7 @@ def calibrate_kernel_floor(points: Sequence[MeasuredPoint], cost: CostModel) -> 
     floors = []
     for p in points:
         parts = p.components(dataclasses.replace(cost, kernel_floor_ms=0.0))
-        weights = float(np.mean([weight_read_ms(float(np.max(t.active_experts_D if t.active_experts_D is not None
-                                                                 else [p.shape.num_experts / p.num_devices])),
-                                                p.shape, "fwd", cost.hbm_bytes_per_ms) for t in p.chunks]))
+        weights = point_weight_ms(p, "fwd", cost.hbm_bytes_per_ms)
         floors.append(p.measured_ms - (parts["gpu_ms"] - parts["kernels_ms"]) - weights)
     return dataclasses.replace(cost, kernel_floor_ms=max(float(np.median(floors)), 0.0))
 
