@@ -319,7 +319,7 @@ class RoutingRule:
 
 @dataclass(frozen=True)
 class MoELayer:
-    """One MoE block of a model, under names common to OLMoE, Qwen2-MoE and DeepSeek-V2.
+    """One MoE block of a model, under names common to OLMoE, Mixtral, Qwen2-MoE and DeepSeek-V2.
 
     `w_gate_up` [E, 2F, d] (gate rows first, then up rows) and `w_down` [E, d, F] are the
     experts module's own parameters (no copy); the expert computes
@@ -417,9 +417,11 @@ def routing_rule(router: nn.Module) -> RoutingRule:
         raise ValueError(f"router topk_method {method!r} is not supported (greedy, group_limited_greedy)")
     grouped = method == "group_limited_greedy"
     is_deepseek = hasattr(router, "routed_scaling_factor")
+    # Mixtral's router has no flag: it always renormalises its top-k weights
+    renormalise = getattr(router, "norm_topk_prob", type(router).__name__.startswith("Mixtral"))
     return RoutingRule(
         top_k=int(router.top_k),
-        norm_topk_prob=bool(getattr(router, "norm_topk_prob", False)) and not is_deepseek,
+        norm_topk_prob=bool(renormalise) and not is_deepseek,
         scaling=float(getattr(router, "routed_scaling_factor", 1.0)),
         sorted=not is_deepseek,
         num_group=int(router.num_group) if grouped else None,
