@@ -35,6 +35,7 @@ class DataConfig:
     instruction_pairs: int
     eval_tasks: tuple[str, ...]
     eval_examples: int | None
+    tokenizer_from: str | None = None     # a GGUF file or distribution: its tokenizer instead of training one
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ModelConfig:
     expert_ffn: int
     max_seq_len: int
     experts_kernel: str = "grouped"     # "triton": the EP runtime's fused kernels (GPU), occult.models
+    router_noise: float = 0.0           # upcycle: noise on the tied group router rows (occult.upcycle)
 
 
 @dataclass(frozen=True)
@@ -223,8 +225,8 @@ def config_hash(raw: dict) -> str:
 
 
 def checkpoint_moe_shape(model: ModelConfig) -> tuple[int, int]:
-    """(num_experts, top_k) of the model: from the config for `scratch`, from config.json otherwise."""
-    if model.source == "scratch":
+    """(num_experts, top_k) of the model: from the config for `scratch`/`upcycle`, from config.json otherwise."""
+    if model.source in ("scratch", "upcycle"):
         return model.num_experts, model.top_k
     cfg_file = Path(model.checkpoint or "") / "config.json"
     try:
@@ -233,7 +235,7 @@ def checkpoint_moe_shape(model: ModelConfig) -> tuple[int, int]:
         raise ConfigError(f"model.checkpoint: {cfg_file} does not exist") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"model.checkpoint: {cfg_file} is not valid JSON ({err})") from None
-    experts = hf.get("num_experts", hf.get("n_routed_experts"))
+    experts = hf.get("num_experts", hf.get("n_routed_experts", hf.get("num_local_experts")))
     top_k = hf.get("num_experts_per_tok")
     if not isinstance(experts, int) or not isinstance(top_k, int):
         raise ConfigError(
@@ -269,6 +271,8 @@ def _check_semantics(cfg: Config) -> None:
             raise ConfigError("model.checkpoint: required when model.source is 'checkpoint'")
         if not Path(m.checkpoint).is_dir():
             raise ConfigError(f"model.checkpoint: {m.checkpoint} is not a directory")
+    elif m.source == "upcycle":
+        _check_upcycle(m)
     elif m.hidden_size % m.num_heads:
         raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
     experts, top_k = checkpoint_moe_shape(m)
@@ -302,6 +306,29 @@ def _check_semantics(cfg: Config) -> None:
         if len(set(names)) != len(names) or "current" in names:
             raise ConfigError(f"simulate.history: set names must be unique and not 'current' (got {names})")
         cfg.simulate.input_files()      # every $folder is known
+
+
+def _check_upcycle(m: ModelConfig) -> None:
+    """The dense GGUF exists and the model sizes written in the config are the ones it gives."""
+    from occult.gguf import GGUFError, GGUFReader, find_gguf
+    from occult.upcycle import dense_shape
+
+    if not m.checkpoint:
+        raise ConfigError("model.checkpoint: required when model.source is 'upcycle' (a .gguf file or distribution)")
+    try:
+        shape = dense_shape(GGUFReader(find_gguf(m.checkpoint)))
+    except GGUFError as err:
+        raise ConfigError(str(err)) from None
+    for field, value, want in [("hidden_size", m.hidden_size, shape.hidden_size),
+                               ("num_layers", m.num_layers, shape.num_layers),
+                               ("num_heads", m.num_heads, shape.num_heads),
+                               ("expert_ffn", m.expert_ffn * m.top_k, shape.ffn)]:
+        if value != want:
+            detail = f"expert_ffn * top_k = {value}" if field == "expert_ffn" else str(value)
+            raise ConfigError(f"model.{field}: {detail}, but {m.checkpoint} gives {want} "
+                              "(upcycling: expert_ffn = dense FFN width / top_k)")
+    if m.num_experts % m.top_k:
+        raise ConfigError(f"model.num_experts: {m.num_experts} is not a multiple of model.top_k {m.top_k}")
 
 
 def _check_prune(field: str, nd: int, experts: int, top_k: int, devices: int) -> None:

@@ -7,7 +7,9 @@ each package, its version and licence); nothing is downloaded. Package data is l
 `build_data(cfg, seed, out_dir)` writes
 
     out_dir/corpus/{train,heldout}.jsonl   one document per line: {"source", "id", "text"}
-    out_dir/tokenizer/                     a transformers tokenizer (AutoTokenizer loads it)
+    out_dir/tokenizer/                     a transformers tokenizer (AutoTokenizer loads it): trained
+                                           here, or the one a GGUF file carries (`data.tokenizer_from`,
+                                           for a model upcycled from that file)
     out_dir/instructions.jsonl             {"instruction", "response", "source", "template", "doc_id"}
     out_dir/eval/<task>.jsonl              normalised evaluation examples (fields: EVAL_FIELDS)
     out_dir/manifest.json                  counts per source and split, licences, provenance
@@ -448,6 +450,21 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     )
 
 
+def gguf_tokenizer_for(locator: str):
+    """`(tokenizer, manifest entry)` for `data.tokenizer_from`: the BPE stored in a GGUF file."""
+    from occult.gguf import GGUFError, GGUFReader, find_gguf, gguf_tokenizer
+
+    try:
+        path = find_gguf(locator)
+        tokenizer = gguf_tokenizer(GGUFReader(path))
+    except GGUFError as err:
+        raise DataError(f"data.tokenizer_from: {err}") from None
+    info = {"kind": "byte-level BPE from GGUF metadata", "from": locator, "file": path.name,
+            "vocab_size": len(tokenizer), "bos": tokenizer.bos_token, "eos": tokenizer.eos_token,
+            "pad": tokenizer.pad_token, "path": "tokenizer"}
+    return tokenizer, info
+
+
 def save_tokenizer(tokenizer, dest: Path) -> None:
     with atomic_path(dest) as tmp:
         tokenizer.save_pretrained(str(tmp))
@@ -716,8 +733,13 @@ def build_data(cfg: DataConfig, seed: int, out_dir: Path, *, config_hash: str | 
                     ({"source": d.source, "id": d.doc_id, "text": d.text}
                      for source in cfg.sources for d in splits[source][split]))
 
-    train_texts = [d.text for source in cfg.sources for d in splits[source]["train"]]
-    tokenizer = train_tokenizer(train_texts, cfg.vocab_size)
+    if cfg.tokenizer_from:
+        tokenizer, tokenizer_info = gguf_tokenizer_for(cfg.tokenizer_from)
+    else:
+        tokenizer = train_tokenizer([d.text for source in cfg.sources for d in splits[source]["train"]], cfg.vocab_size)
+        tokenizer_info = {"kind": "byte-level BPE", "vocab_size": len(tokenizer),
+                          "requested_vocab_size": cfg.vocab_size, "special_tokens": [ENDOFTEXT],
+                          "bos_eos_pad": ENDOFTEXT, "path": "tokenizer"}
     save_tokenizer(tokenizer, out_dir / "tokenizer")
 
     pairs = build_instruction_pairs({s: splits[s]["train"] for s in cfg.sources}, cfg.instruction_pairs, seed)
@@ -752,9 +774,7 @@ def build_data(cfg: DataConfig, seed: int, out_dir: Path, *, config_hash: str | 
             key: {s: sum(v[key][s] for v in sources.values()) for s in SPLITS}
             for key in ("documents", "chars", "tokens")
         },
-        "tokenizer": {"kind": "byte-level BPE", "vocab_size": len(tokenizer),
-                      "requested_vocab_size": cfg.vocab_size, "special_tokens": [ENDOFTEXT],
-                      "bos_eos_pad": ENDOFTEXT, "path": "tokenizer"},
+        "tokenizer": tokenizer_info,
         "instructions": {
             "requested": cfg.instruction_pairs,
             "produced": len(pairs),

@@ -202,11 +202,12 @@ def register_experts_implementation() -> None:
 
 
 def use_experts_kernel(model: nn.Module, kernel: str = "grouped") -> None:
-    """Run an OLMoE model's experts through `grouped_experts_forward` ("grouped") or
-    `fused_experts_forward` ("triton"); other model families keep theirs."""
+    """Run an OLMoE or Mixtral model's experts (same layout, SiLU-gated) through
+    `grouped_experts_forward` ("grouped") or `fused_experts_forward` ("triton"); other model
+    families keep theirs."""
     if kernel not in EXPERTS_KERNELS:
         raise ValueError(f"model.experts_kernel: {kernel!r} is not one of {EXPERTS_KERNELS}")
-    if getattr(model.config, "model_type", None) != "olmoe":
+    if getattr(model.config, "model_type", None) not in ("olmoe", "mixtral"):
         return
     register_experts_implementation()
     model.set_experts_implementation(EXPERTS_IMPLEMENTATION if kernel == "grouped" else FUSED_IMPLEMENTATION)
@@ -247,7 +248,7 @@ def load_checkpoint(path: str | Path, *, dtype: str | torch.dtype = "auto", devi
     if not _config_is_moe(hf_cfg):
         raise CheckpointError(
             f"checkpoint {path}: model_type {hf_cfg.model_type!r} is not a Mixture-of-Experts "
-            "(no num_experts / n_routed_experts and num_experts_per_tok)"
+            "(no num_experts / n_routed_experts / num_local_experts and num_experts_per_tok)"
         )
     from transformers.utils import logging as hf_logging
 
@@ -291,7 +292,8 @@ def load_checkpoint(path: str | Path, *, dtype: str | torch.dtype = "auto", devi
 
 
 def _config_is_moe(hf_cfg) -> bool:
-    experts = getattr(hf_cfg, "num_experts", None) or getattr(hf_cfg, "n_routed_experts", None)
+    experts = (getattr(hf_cfg, "num_experts", None) or getattr(hf_cfg, "n_routed_experts", None)
+               or getattr(hf_cfg, "num_local_experts", None))
     return isinstance(experts, int) and experts > 1 and isinstance(getattr(hf_cfg, "num_experts_per_tok", None), int)
 
 

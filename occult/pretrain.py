@@ -1,4 +1,5 @@
-"""Model stage (scratch): pre-train the tiny OLMoE and measure whether its routers learned structure.
+"""Model stage (scratch, upcycle): pre-train the tiny OLMoE, or continue pre-training a MoE upcycled
+from a dense GGUF model (occult.upcycle), and measure whether its routers learned structure.
 
 `pretrain(cfg, data_dir, out_dir, log_csv, structure_json)` trains on the train split, packed as
 one token stream (documents in seeded random order, each followed by EOS) cut into windows of
@@ -43,6 +44,7 @@ add-one-smoothed train-split token frequencies).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import shutil
 import signal
@@ -71,7 +73,10 @@ from occult.profiling import (
     tokenize_documents,
 )
 from occult.provenance import atomic_path, provenance, seed_everything, write_csv, write_json
+
+log = logging.getLogger(__name__)
 from occult.steptrace import StepTrace
+
 
 EVAL_TOKENS = 16_384
 EVAL_POINTS = 5
@@ -451,6 +456,27 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
     return rows
 
 
+def build_base_model(cfg: Config, vocab_size: int, token_ids: dict[str, int | None]) -> nn.Module:
+    """The model training starts from: a fresh tiny OLMoE (`scratch`) or the MoE upcycled from
+    `model.checkpoint`'s dense GGUF (`upcycle`, occult.upcycle), with `model.experts_kernel` set."""
+    if cfg.model.source == "upcycle":
+        from occult.gguf import find_gguf
+        from occult.upcycle import upcycle_gguf
+
+        model = upcycle_gguf(find_gguf(cfg.model.checkpoint), num_experts=cfg.model.num_experts,
+                             top_k=cfg.model.top_k, max_seq_len=cfg.model.max_seq_len, token_ids=token_ids,
+                             seed=cfg.seed, router_noise=cfg.model.router_noise,
+                             router_aux_loss=cfg.pretrain.router_aux_loss)
+        if model.config.vocab_size != vocab_size:
+            raise ValueError(f"data.tokenizer_from: the tokenizer has {vocab_size} tokens but {cfg.model.checkpoint} "
+                             f"has {model.config.vocab_size} embeddings (set data.tokenizer_from: {cfg.model.checkpoint})")
+    else:
+        model = build_tiny_olmoe(cfg.model, vocab_size, **token_ids, seed=cfg.seed,
+                                 router_aux_loss=cfg.pretrain.router_aux_loss)
+    use_experts_kernel(model, cfg.model.experts_kernel)
+    return model
+
+
 def save_model_dir(model: nn.Module, tokenizer, out_dir: Path, meta: dict[str, Any]) -> None:
     """save_pretrained into a temporary sibling directory, then rename it onto `out_dir`."""
     with atomic_path(out_dir) as tmp:
@@ -468,8 +494,8 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
     Resumes from `<out_dir>.resume/` when an interrupted run of the same config left one there;
     raises `PretrainPaused` after saving that state when `time_limit_s` passes or SIGTERM arrives.
     """
-    if cfg.model.source != "scratch":
-        raise ValueError(f"model.source: pretrain needs 'scratch', got {cfg.model.source!r}")
+    if cfg.model.source not in ("scratch", "upcycle"):
+        raise ValueError(f"model.source: pretrain needs 'scratch' or 'upcycle', got {cfg.model.source!r}")
     train_cfg = cfg.pretrain
     if train_cfg.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"pretrain.seq_len: {train_cfg.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}")
@@ -482,20 +508,21 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
     heldout = corpus_windows(corpus / "heldout.jsonl", tokenizer, EVAL_TOKENS, train_cfg.seq_len, cfg.seed)
     sampler = WindowSampler(train_ids_N, train_cfg.seq_len, train_cfg.batch_size, cfg.seed)
     eos = tokenizer.eos_token_id
-    model = build_tiny_olmoe(
-        cfg.model, len(tokenizer),
+    model = build_base_model(cfg, len(tokenizer), {
         # pad == eos would freeze the shared <|endoftext|> embedding (nn.Embedding padding_idx);
         # padding is masked anyway, so the model config then carries no pad id.
-        pad_token_id=None if tokenizer.pad_token_id in (eos, tokenizer.bos_token_id) else tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
-        eos_token_id=eos,
-        seed=cfg.seed,
-        router_aux_loss=train_cfg.router_aux_loss,
-    )
-    use_experts_kernel(model, cfg.model.experts_kernel)
+        "pad_token_id": None if tokenizer.pad_token_id in (eos, tokenizer.bos_token_id) else tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id if tokenizer.bos_token_id is not None else eos,
+        "eos_token_id": eos,
+    })
     world, rank = data_parallel_rank()
     model.to(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
     # (CPU results are unchanged by this line; under torchrun the current device is the rank's GPU)
+    initial_ppl = None
+    if cfg.model.source == "upcycle" and rank == 0:     # = the dense model's: upcycling is exact at init
+        nll, count = heldout_nll(model, heldout)
+        initial_ppl = math.exp(nll / count)
+        log.info("upcycled model before training: held-out ppl %.3f", initial_ppl)
     prep_s = time.perf_counter() - wall_start
     resume_dir = resume_dir_of(out_dir)
     rows = train(model, sampler, heldout, train_cfg, eval_every=max(1, train_cfg.steps // EVAL_POINTS),
@@ -546,6 +573,7 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
         },
         "heldout_tokens": heldout.tokens,
         "heldout_ppl": final_ppl,
+        "initial_heldout_ppl": initial_ppl,     # upcycle: the dense source model's (null for scratch)
         "unigram_ppl": baseline_ppl,
         "ppl_ratio_to_unigram": final_ppl / baseline_ppl,
         "heldout_bits_per_token": math.log2(final_ppl),

@@ -25,8 +25,8 @@ import torch
 
 from occult.config import load_config
 from occult.logs import progress, run_main
-from occult.models import EXPERTS_KERNELS, build_tiny_olmoe, use_experts_kernel
-from occult.pretrain import CLIP_NORM, autocast_for, make_optimizer
+from occult.models import EXPERTS_KERNELS, use_experts_kernel
+from occult.pretrain import CLIP_NORM, autocast_for, build_base_model, make_optimizer
 from occult.provenance import provenance, write_csv
 
 
@@ -69,13 +69,17 @@ def run_trainbench(config: Path, out: Path, steps: int, warmup: int, vocab_size:
     cfg = load_config(config)
     if steps < 1 or warmup < 0:
         raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
-    vocab = vocab_size or cfg.data.vocab_size
+    if cfg.model.source == "upcycle":
+        from occult.gguf import GGUFReader, find_gguf
+        from occult.upcycle import dense_shape
+        vocab = dense_shape(GGUFReader(find_gguf(cfg.model.checkpoint))).vocab_size
+    else:
+        vocab = vocab_size or cfg.data.vocab_size
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     generator = torch.Generator().manual_seed(cfg.seed)
     batches = [torch.randint(0, vocab, (cfg.pretrain.batch_size, cfg.pretrain.seq_len), generator=generator).to(device)
                for _ in range(warmup + steps)]
-    base = build_tiny_olmoe(cfg.model, vocab, pad_token_id=None, bos_token_id=0, eos_token_id=0, seed=cfg.seed,
-                            router_aux_loss=cfg.pretrain.router_aux_loss)
+    base = build_base_model(cfg, vocab, {"pad_token_id": None, "bos_token_id": 0, "eos_token_id": 0})
     initial = {k: v.clone() for k, v in base.state_dict().items()}
     rows = []
     for kernel in EXPERTS_KERNELS:

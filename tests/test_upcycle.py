@@ -1,4 +1,7 @@
+from pathlib import Path
+
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -94,3 +97,75 @@ def test_router_noise_breaks_exactness_and_bad_sizes_fail(tmp_path):
     write_gguf(tmp_path / "g.gguf", {"general.architecture": "gpt2"}, {"x": (np.zeros((1, 32), np.float32), "F32")})
     with pytest.raises(GGUFError, match="general.architecture is 'gpt2'"):
         upcycle_gguf(tmp_path / "g.gguf", num_experts=16, top_k=4, max_seq_len=64, token_ids=IDS, seed=0)
+
+
+# --------------------------------------------------------------------------- the pipeline's upcycle path
+
+
+def _upcycle_config(gguf: Path, steps: int = 6, **model_changes):
+    from occult.config import load_config
+    repo = Path(__file__).resolve().parent.parent
+    model = {"source": "upcycle", "checkpoint": str(gguf), "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+             "num_experts": 16, "top_k": 4, "expert_ffn": 24, "max_seq_len": 64, **model_changes}
+    return load_config(repo / "config" / "config.yaml", overrides={
+        "model": model,
+        "pretrain": {"steps": steps, "batch_size": 4, "seq_len": 32, "lr": 1e-3, "warmup_steps": 2,
+                     "router_aux_loss": 0.01},
+        "placement": {"devices": [2, 4]}, "finetune": {"devices": 4}, "bench": {"devices": 2},
+    })
+
+
+def test_config_checks_the_gguf_sizes(tmp_path):
+    from occult.config import ConfigError
+    _to_gguf(_reference_llama(True), tmp_path / "m.gguf")
+    cfg = _upcycle_config(tmp_path / "m.gguf")
+    assert (cfg.num_experts, cfg.top_k) == (16, 4)
+    with pytest.raises(ConfigError, match=r"model.expert_ffn: expert_ffn \* top_k = 128, but .*m.gguf gives 96"):
+        _upcycle_config(tmp_path / "m.gguf", expert_ffn=32)
+    with pytest.raises(ConfigError, match="model.num_layers: 3, but"):
+        _upcycle_config(tmp_path / "m.gguf", num_layers=3)
+    with pytest.raises(ConfigError, match="nope.gguf: no such file"):
+        _upcycle_config(tmp_path / "nope.gguf")
+
+
+def test_pretrain_continues_from_the_upcycled_model(tmp_path):
+    from occult.models import load_checkpoint
+    from occult.pretrain import pretrain
+    from test_models import write_standin_data
+
+    data_dir = write_standin_data(tmp_path / "data")
+    from transformers import AutoTokenizer
+    vocab = len(AutoTokenizer.from_pretrained(data_dir / "tokenizer"))
+    ref = _reference_llama(True)
+    ref.resize_token_embeddings(vocab)
+    _to_gguf(ref, tmp_path / "m.gguf")
+    cfg = _upcycle_config(tmp_path / "m.gguf")
+    out = tmp_path / "out"
+    pretrain(cfg, data_dir, out / "model", out / "log.csv", out / "structure.json")
+    model, _ = load_checkpoint(out / "model")
+    assert model.config.model_type == "mixtral" and len(moe_layers(model)) == 2
+    log = pd.read_csv(out / "log.csv", comment="#")
+    assert len(log) == 6 and np.isfinite(log["train_loss"]).all()
+    # a tokenizer of another size is refused with the field to fix
+    ref.resize_token_embeddings(vocab + 8)
+    _to_gguf(ref, tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match=r"data.tokenizer_from: the tokenizer has \d+ tokens but"):
+        pretrain(cfg, data_dir, out / "model2", out / "log2.csv", out / "structure2.json")
+
+
+def test_fused_experts_kernel_equals_grouped_on_the_upcycled_model(tmp_path):
+    from occult.models import use_experts_kernel
+    _to_gguf(_reference_llama(True), tmp_path / "m.gguf")
+    moe = upcycle_gguf(tmp_path / "m.gguf", num_experts=16, top_k=4, max_seq_len=64, token_ids=IDS, seed=3,
+                       router_noise=1.0)
+    x = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4))
+    use_experts_kernel(moe, "grouped")
+    loss = moe(x, labels=x).loss
+    loss.backward()
+    want = (loss.detach(), moe.model.layers[0].mlp.experts.gate_up_proj.grad.clone())
+    moe.zero_grad()
+    use_experts_kernel(moe, "triton")
+    loss = moe(x, labels=x).loss
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe.model.layers[0].mlp.experts.gate_up_proj.grad, want[1], atol=1e-5, rtol=1e-4)

@@ -155,7 +155,7 @@ def final_outputs() -> list[str]:
     """Every result a reader looks at, so deleting any one of them reruns its job and what follows."""
     model = [f"{RESULTS}/model/pretrain_log.csv", f"{RESULTS}/model/router_structure.json"]
     return [
-        *(model if CFG.model.source == "scratch" else []),
+        *(model if CFG.model.source in ("scratch", "upcycle") else []),
         f"{RESULTS}/profile/profile.json",
         *PLACEMENT_FILES,
         f"{RESULTS}/placement/expected_ct.csv",

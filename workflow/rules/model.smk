@@ -1,4 +1,4 @@
-if CFG.model.source == "scratch":
+if CFG.model.source in ("scratch", "upcycle"):
 
     rule pretrain_model:
         input:

@@ -1,7 +1,7 @@
 rule make_report:
     input:
-        loss=rules.pretrain_model.output.loss if CFG.model.source == "scratch" else [],
-        structure=rules.pretrain_model.output.structure if CFG.model.source == "scratch" else [],
+        loss=rules.pretrain_model.output.loss if CFG.model.source in ("scratch", "upcycle") else [],
+        structure=rules.pretrain_model.output.structure if CFG.model.source in ("scratch", "upcycle") else [],
         profile=rules.profile_coactivation.output.profile,
         placement_table=rules.place_experts.output.table,
         placement_study=rules.study_placement.output.study,
