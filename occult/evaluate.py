@@ -58,7 +58,7 @@ def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
     model, tokenizer = load_checkpoint(model_dir, device="cuda" if torch.cuda.is_available() else "cpu",
                                        experts_kernel=cfg.model.experts_kernel)
     model.eval()
-    set_routing(model, routing_for_variant(cfg, variant, placements_dir, profile_dir))
+    set_routing(model, routing_for_variant(cfg, variant, placements_dir, profile_dir, model))
     tasks = list(cfg.data.eval_tasks)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="occult-tasks-") as tmp:
@@ -254,7 +254,7 @@ def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path
                 model_dir = base_model_dir if arm.name == "raw" else arms_root / arm.name
                 model, tokenizer = load_checkpoint(model_dir, device=device, experts_kernel=arm_cfg.model.experts_kernel)
                 model.eval()
-                set_routing(model, routing_for_variant(arm_cfg, arm.variant, placements_dir, profile_dir))
+                set_routing(model, routing_for_variant(arm_cfg, arm.variant, placements_dir, profile_dir, model))
                 start = time.perf_counter()
                 lm = fast_lm(model, tokenizer, arm_cfg.model.max_seq_len, batch_tokens, token_cache)
                 out = lm_eval.simple_evaluate(

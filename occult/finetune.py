@@ -162,7 +162,7 @@ def finetune(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
     model, tokenizer = load_checkpoint(model_dir, device=device, experts_kernel=cfg.model.experts_kernel)
     start = time.perf_counter()
     rows: list[dict] = []
-    routing = routing_for_variant(cfg, variant, placements_dir, profile_dir)   # bad placement/profile: fail first
+    routing = routing_for_variant(cfg, variant, placements_dir, profile_dir, model)   # bad placement/profile: fail first
     if variant.trains and cfg.finetune.steps > 0:
         ids, labels = encode_pairs(load_pairs(data_dir / "instructions.jsonl"), tokenizer, cfg.finetune.seq_len)
         set_routing(model, routing)
@@ -205,7 +205,7 @@ def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, prof
             seed_everything(arm_cfg.seed)
             model.load_state_dict(base_state)
             start = time.perf_counter()
-            set_routing(model, routing_for_variant(arm_cfg, variant, placements_dir, profile_dir))
+            set_routing(model, routing_for_variant(arm_cfg, variant, placements_dir, profile_dir, model))
             rows = train_variant(model, tokenizer, arm_cfg, variant, *encoded[seq_len], desc=f"finetune {arm.name}",
                                  step_trace=step_trace if shard[0] == 0 and arm is todo[0] else None)
             meta = variant_meta(arm_cfg, variant, arm=arm.name)

@@ -24,21 +24,33 @@ def placement_file(cfg: Config, placements_dir: Path) -> Path:
 
 
 def routing_for_variant(cfg: Config, variant: Variant | str, placements_dir: Path, profile_dir: Path,
-                        norm_topk_prob: bool = False) -> RoutingFn | None:
-    """The routing override of a variant (None = the model's own top-k)."""
+                        model: torch.nn.Module) -> RoutingFn | None:
+    """The routing override of a variant for `model` (None = the model's own top-k).
+
+    Pruned weights follow each layer's own rule: renormalised when the router renormalises its
+    top-k (Mixtral, Qwen2-MoE with `norm_topk_prob`), then scaled by DeepSeek's routed scaling factor.
+    """
+    from occult.models import moe_layers
     from occult.placement import load_placement_layers
     from occult.pruning import prune_router_score, prune_similarity
 
     v = parse_variant(variant) if isinstance(variant, str) else variant
     if v.max_devices is None:
         return None
+    rules = {layer.layer_index: layer.rule for layer in moe_layers(model)}
     layers, device_of_expert_LE = load_placement_layers(placement_file(cfg, placements_dir))
     placement = {layer: torch.as_tensor(row, dtype=torch.long) for layer, row in zip(layers, device_of_expert_LE)}
     k, gate, devices = cfg.top_k, cfg.finetune.gate_weights, cfg.finetune.devices
+
+    def scaled(layer: int, weights_TK: torch.Tensor, ids_TK: torch.Tensor):
+        scaling = rules[layer].scaling
+        return (weights_TK * scaling if scaling != 1.0 else weights_TK), ids_TK
+
     if v.method == "router":
         def route(layer: int, logits_TE: torch.Tensor):
-            return prune_router_score(logits_TE, k, placement[layer].to(logits_TE.device), v.max_devices,
-                                      gate=gate, norm_topk_prob=norm_topk_prob, num_devices=devices)
+            return scaled(layer, *prune_router_score(
+                logits_TE, k, placement[layer].to(logits_TE.device), v.max_devices, gate=gate,
+                norm_topk_prob=rules[layer].norm_topk_prob, num_devices=devices))
         return route
 
     from occult.profiling import load_profile
@@ -48,9 +60,10 @@ def routing_for_variant(cfg: Config, variant: Variant | str, placements_dir: Pat
                   for layer, sim_EE in zip(prof.layers, prof.similarity())}
 
     def route_sim(layer: int, logits_TE: torch.Tensor):
-        return prune_similarity(logits_TE, k, placement[layer].to(logits_TE.device), v.max_devices,
-                                similarity[layer].to(logits_TE.device), gate=gate,
-                                norm_topk_prob=norm_topk_prob, num_devices=devices)
+        return scaled(layer, *prune_similarity(
+            logits_TE, k, placement[layer].to(logits_TE.device), v.max_devices,
+            similarity[layer].to(logits_TE.device), gate=gate, norm_topk_prob=rules[layer].norm_topk_prob,
+            num_devices=devices))
     return route_sim
 
 
@@ -85,6 +98,18 @@ class Arm:
                              "gate_weights": self.gate_weights, "train_modules": self.train_modules}}
 
 
+def model_renormalises(cfg: Config) -> bool:
+    """Whether the configured model's router renormalises its top-k weights (so pruned gates are
+    always renormalised): the upcycled Mixtral, or a checkpoint whose config says so."""
+    if cfg.model.source == "upcycle":
+        return True
+    if cfg.model.source == "checkpoint":
+        import json
+        hf = json.loads((Path(cfg.model.checkpoint) / "config.json").read_text())
+        return hf.get("model_type") == "mixtral" or bool(hf.get("norm_topk_prob", False))
+    return False
+
+
 def quality_arms(cfg: Config, devices: tuple[int, ...] = (4, 8), max_devices: tuple[int, ...] = (1, 2, 4),
                  renormalised: tuple[str, ...] = ("prune2-sim", "prune1-sim"),
                  fully_trained: tuple[str, ...] = ("sft", "prune2-sim")) -> list[Arm]:
@@ -92,10 +117,14 @@ def quality_arms(cfg: Config, devices: tuple[int, ...] = (4, 8), max_devices: tu
 
     raw; standard SFT; `prune<N_d>-{router,sim}` for every D in `devices` (those of
     `cfg.placement.devices`) and every N_d < D with N_d*E/D >= k, gates kept, MoE modules trained;
-    the gate ablation (`renormalised` variants with renormalised gates) and full fine-tuning
-    (`fully_trained`) at the largest D. Every arm shares data, steps and seed.
+    the gate ablation (`renormalised` variants with renormalised gates; none when the model's
+    router renormalises its top-k anyway, as the upcycled Mixtral's does: the arms would be
+    identical) and full fine-tuning (`fully_trained`) at the largest D. Every arm shares data,
+    steps and seed.
     """
     experts, k = cfg.num_experts, cfg.top_k
+    if model_renormalises(cfg):
+        renormalised = ()
     usable = [d for d in devices if d in cfg.placement.devices and experts % d == 0]
     if not usable:
         raise ValueError(f"placement.devices: none of {devices} is a placement device count of this config")
