@@ -313,7 +313,8 @@ def ep_moe(
     host sync for the C_T sum).
 
     Per call: 3 all-to-alls (counts; packed rows; returned partials) and ONE host sync (the
-    receive split sizes, read together with the send split sizes).
+    receive split sizes, read together with the send split sizes). On one device (no group, or a
+    group of one) there is neither: the sizes follow from the shapes of `ids_TK`.
 
     `static_capacity=C` (dedup only; every rank passes the same C ≥ its T) selects the static-shape
     plan (`occult.ep.plan.static_plan`): 2 equal-split all-to-alls of D·C rows, NO host sync, so
@@ -389,11 +390,16 @@ def dispatch_to_experts(
             counts = count_dedup_plan(ids_TK, tables.placement_E, world, tables.local_id_E)
         else:
             counts = count_plan(ids_TK, tables.placement_E, world, tables.local_id_E, mode)
-        recv_counts_D3 = _all_to_all(counts.counts_D3, [1] * world, [1] * world, group)
-        # The one host sync: send and receive split sizes (and every rank's most pairs per row).
-        send_rows, send_pairs, _, recv_rows, recv_pairs, most_pairs = (
-            torch.cat([counts.counts_D3, recv_counts_D3], 1).t().tolist()
-        )
+        if world == 1:
+            # One device: every pair stays here, so the sizes follow from the shapes; no host sync.
+            send_rows, send_pairs, most_pairs = _one_device_sizes(ids_TK, mode)
+            recv_rows, recv_pairs = send_rows, send_pairs
+        else:
+            recv_counts_D3 = _all_to_all(counts.counts_D3, [1] * world, [1] * world, group)
+            # The one host sync: send and receive split sizes (and every rank's most pairs per row).
+            send_rows, send_pairs, _, recv_rows, recv_pairs, most_pairs = (
+                torch.cat([counts.counts_D3, recv_counts_D3], 1).t().tolist()
+            )
         slots = max(max(most_pairs, default=1), 1)
         if fused:
             plan, packed = ops.dedup_plan_pack(counts, ids_TK, weights_TK.detach(), x_TD.detach(), tables.placement_E,
@@ -415,6 +421,14 @@ def dispatch_to_experts(
     pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = grouper(code_RK, num_recv_pairs, tables.experts_here)
     pair_gate_M = gate_RK.reshape(-1)[pair_flat_M]
     return Received(x_RD, pair_row_M, pair_gate_M, expert_offsets, pair_pos_RK, plan, send_rows, recv_rows)
+
+
+def _one_device_sizes(ids_TK: torch.Tensor, mode: str) -> tuple[list[int], list[int], list[int]]:
+    """(rows, pairs, most pairs per row) that the count kernels would report on one device."""
+    tokens, k = ids_TK.shape
+    if mode == "dedup":             # one row per token holding its k pairs
+        return [tokens], [tokens * k], [k if tokens else 0]
+    return [tokens * k], [tokens * k], [1 if tokens else 0]    # per_expert: one row per pair
 
 
 def expert_compute(

@@ -247,3 +247,61 @@ def test_run_in_group_names_a_group_size_that_does_not_match_the_launch(monkeypa
 
     run_in_group(mark, "cpu", 2, timeout_s=30)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0_of2", "rank1_of2"]
+
+
+def test_one_device_makes_no_host_sync(monkeypatch):
+    """On one device the split sizes follow from the shapes: the Triton path makes no `.tolist()`,
+    `.item()` or `int()` of a tensor, forward or backward (each would stall the GPU once per MoE
+    layer; the plain-torch reference backend loops over experts on the host by design)."""
+    backend = "triton"
+    get_backend(backend)
+    placement = torch.zeros(6, dtype=torch.long)
+    w_gate_up, w_down = make_weights(6)
+    cases = [(mode, tokens) for mode in ("dedup", "per_expert") for tokens in (0, 1, 7)]
+    inputs = [make_tokens("random", tokens, 6, 3, placement, seed=tokens) for _, tokens in cases]
+
+    def no_sync(*args, **kwargs):
+        raise AssertionError("host sync on one device")
+
+    placement_values = placement.tolist()
+    x, ids, weights = inputs[1]      # builds the placement's tables once (memoised, on the host)
+    ep_moe(x, ids, weights, placement_values, w_gate_up, w_down, backend=backend)
+    for name in ("tolist", "item", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, no_sync)
+    outputs = []
+    for (mode, _), (x, ids, weights) in zip(cases, inputs):
+        x = x.clone().requires_grad_(True)
+        # the placement as host values: reading a CPU tensor's values is no device sync, but the
+        # patch below cannot tell a CPU tensor from a GPU one
+        y = ep_moe(x, ids, weights, placement_values, w_gate_up, w_down, mode=mode, backend=backend)
+        y.sum().backward()
+        outputs.append((y.detach(), x.grad))
+    monkeypatch.undo()
+    for (x, ids, weights), (y, grad_x) in zip(inputs, outputs):
+        x = x.clone().requires_grad_(True)
+        expected = moe_dense_ref(x, ids, weights, w_gate_up, w_down)
+        expected.sum().backward()
+        torch.testing.assert_close(y, expected.detach(), atol=1e-4, rtol=1e-4)
+        if x.shape[0]:
+            torch.testing.assert_close(grad_x, x.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_one_device_makes_no_host_sync_on_the_gpu():
+    """The same on a GPU, by CUDA's own sync detector, in bf16 as the fused experts path runs."""
+    placement = list(range(1)) * 8
+    gen = torch.Generator().manual_seed(0)
+    w_gate_up = (torch.randn(8, 2 * 32, HIDDEN, generator=gen) * 0.1).cuda().bfloat16().requires_grad_(True)
+    w_down = (torch.randn(8, HIDDEN, 32, generator=gen) * 0.1).cuda().bfloat16().requires_grad_(True)
+    x = torch.randn(64, HIDDEN, generator=gen).cuda().bfloat16().requires_grad_(True)
+    logits = torch.randn(64, 8, generator=gen).cuda()
+    weights, ids = torch.topk(logits.softmax(-1), 2, dim=-1)
+    ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend="triton").sum().backward()   # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend="triton")
+        y.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(y).all()
