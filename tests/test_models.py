@@ -87,6 +87,9 @@ def tiny_hf_model(arch: str, vocab_size: int, seed: int = 0):
             shared_expert_intermediate_size=24, mlp_only_layers=[1], norm_topk_prob=True, **common,
         )
         cls = tf.Qwen2MoeForCausalLM
+    elif arch == "mixtral":      # the upcycled model's family (occult.upcycle): renormalised top-k
+        cfg = tf.MixtralConfig(num_hidden_layers=2, num_local_experts=8, intermediate_size=16, **common)
+        cls = tf.MixtralForCausalLM
     elif arch == "deepseek_v2":
         cfg = tf.DeepseekV2Config(
             num_hidden_layers=3, n_routed_experts=8, moe_intermediate_size=16, intermediate_size=32,
@@ -102,8 +105,8 @@ def tiny_hf_model(arch: str, vocab_size: int, seed: int = 0):
         return cls(cfg).eval()
 
 
-ARCHS = ["olmoe", "qwen2_moe", "deepseek_v2"]
-EXPECTED_MOE_LAYERS = {"olmoe": [0, 1], "qwen2_moe": [0, 2], "deepseek_v2": [1, 2]}
+ARCHS = ["olmoe", "qwen2_moe", "deepseek_v2", "mixtral"]
+EXPECTED_MOE_LAYERS = {"olmoe": [0, 1], "qwen2_moe": [0, 2], "deepseek_v2": [1, 2], "mixtral": [0, 1]}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +162,7 @@ def test_checkpoint_roundtrip_adapters_and_default_override(arch, tokenizer, tmp
     for layer in layers:
         assert layer.w_gate_up is layer.experts.gate_up_proj
         assert layer.w_gate_up.shape == (8, 2 * 16, 32) and layer.w_down.shape == (8, 32, 16)
-        assert (layer.shared_expert is not None) == (arch != "olmoe")
+        assert (layer.shared_expert is not None) == (arch in ("qwen2_moe", "deepseek_v2"))
         assert (layer.shared_expert_gate is not None) == (arch == "qwen2_moe")
 
     rules = {l.layer_index: l.rule for l in layers}

@@ -18,19 +18,10 @@ from test_models import tiny_hf_model
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _mixtral(seed: int = 0):
-    from transformers import MixtralConfig, MixtralForCausalLM
-    cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-                        max_position_embeddings=64, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    torch.manual_seed(seed)
-    return MixtralForCausalLM(cfg).eval()
-
-
 @pytest.mark.parametrize("arch", ["olmoe", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("method", ["router", "sim"])
 def test_pruning_to_every_device_equals_the_models_own_routing(tmp_path, arch, method):
-    model = _mixtral() if arch == "mixtral" else tiny_hf_model(arch, 64)
+    model = tiny_hf_model(arch, 64)
     layers = moe_layers(model)
     experts, k = layers[0].num_experts, layers[0].top_k
     placements, profile = tmp_path / "placement", tmp_path / "profile"

@@ -126,9 +126,9 @@ def _other_family_logits(rank: int, world: int, arch: str, mode: str) -> float:
             "implementation": patched.config._experts_implementation}
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2", "mixtral"])
 @pytest.mark.parametrize("mode", ["dedup", "per_expert"])
-def test_qwen2_moe_and_deepseek_v2_match_unpatched_on_two_ranks(arch, mode):
+def test_qwen2_moe_deepseek_v2_and_mixtral_match_unpatched_on_two_ranks(arch, mode):
     """Shared experts and dense first layers stay outside EP; the routed experts go through it."""
     for report in run_ranks(_other_family_logits, WORLD, arch, mode, timeout_s=60):
         assert report["implementation"] == IMPLEMENTATION_NAME
