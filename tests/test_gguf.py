@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from occult.gguf import GGUFError, GGUFReader, dequantize, find_gguf, gguf_tokenizer
-from tests.gguf_writer import quantize_q4_1, write_gguf
+from gguf_writer import quantize_q4_1, write_gguf
 
 
 def test_metadata_and_tensors_round_trip(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from occult.gguf import GGUFError
 from occult.models import moe_layers
 from occult.upcycle import dense_from_gguf, upcycle_gguf
-from tests.gguf_writer import write_gguf
+from gguf_writer import write_gguf
 
 IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
 
