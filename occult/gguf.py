@@ -14,7 +14,6 @@ Every malformed input raises `GGUFError` naming the file and the offending field
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -53,11 +53,10 @@ def dense_shape(reader: GGUFReader) -> DenseShape:
         raise GGUFError(f"{reader.path}: general.architecture is {arch!r}; only {ARCH!r} can be upcycled")
     hidden = int(reader.field(f"{ARCH}.embedding_length"))
     heads = int(reader.field(f"{ARCH}.attention.head_count"))
-    vocab = reader.tensors["token_embd.weight"].shape[0] if "token_embd.weight" in reader.tensors else None
-    if vocab is None:
+    if "token_embd.weight" not in reader.tensors:
         raise GGUFError(f"{reader.path}: no tensor 'token_embd.weight'")
     return DenseShape(
-        vocab_size=int(vocab),
+        vocab_size=int(reader.tensors["token_embd.weight"].shape[0]),
         hidden_size=hidden,
         ffn=int(reader.field(f"{ARCH}.feed_forward_length")),
         num_layers=int(reader.field(f"{ARCH}.block_count")),
