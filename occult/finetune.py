@@ -204,11 +204,14 @@ def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, prof
                 encoded[seq_len] = encode_pairs(pairs, tokenizer, seq_len)
             seed_everything(arm_cfg.seed)
             model.load_state_dict(base_state)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             set_routing(model, routing_for_variant(arm_cfg, variant, placements_dir, profile_dir, model))
             rows = train_variant(model, tokenizer, arm_cfg, variant, *encoded[seq_len], desc=f"finetune {arm.name}",
                                  step_trace=step_trace if shard[0] == 0 and arm is todo[0] else None)
-            meta = variant_meta(arm_cfg, variant, arm=arm.name)
+            peak = {"peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)} if device == "cuda" else {}
+            meta = variant_meta(arm_cfg, variant, arm=arm.name, **peak)
             save_variant(model, tokenizer, meta, out_root / arm.name, logs_root / f"{arm.name}_log.csv", rows)
             log.info("arm %s: %d steps in %.1f s", arm.name, len(rows), time.perf_counter() - start)
     return missing
