@@ -113,14 +113,19 @@ occult_cli=("$PY" -m occult)      # torchrun's own parser needs the "--" before 
 # SHARDS-th arm; exit 3 (time limit) wins over 0, any other failure over both. The i-th GPU is that of an
 # inherited CUDA_VISIBLE_DEVICES, so a lane confined to GPUs 2,3 stays there. More shards than GPUs put
 # several fine-tuning or evaluation processes on one GPU: each arm's result is the same, its timing is shared.
+# Each shard gets an equal share of the CPU cores (OMP_NUM_THREADS, unless set). With a thread per core
+# each, three shards on one H200 machine took 97 s per checkpoint load against 1.5 s for one process
+# alone (results/nvidia-h200/quality_upcycle_v2_partial/logs); on 2 cores, three loads took 39 s each
+# with 2 threads and 14 s with 1.
 SHARDS=${QUALITY_SHARDS:-$GPUS}
 sharded() {
     local pids=() rc=0 code i device devices
+    local threads=${OMP_NUM_THREADS:-$(( $(nproc) / SHARDS > 0 ? $(nproc) / SHARDS : 1 ))}
     IFS=, read -r -a devices <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS - 1)))}"
     for ((i = 0; i < SHARDS; i++)); do
         if [ "$SHARDS" -gt 1 ]; then
             device=${devices[$(( i % GPUS ))]}
-            CUDA_VISIBLE_DEVICES=$device "$@" --shard "$i/$SHARDS" > >(sed "s/^/[gpu $device shard $i] /") 2>&1 &
+            CUDA_VISIBLE_DEVICES=$device OMP_NUM_THREADS=$threads "$@" --shard "$i/$SHARDS" > >(sed "s/^/[gpu $device shard $i] /") 2>&1 &
         else
             "$@" &
         fi
