@@ -42,6 +42,35 @@ def count_forward_calls(model: nn.Module, bar: Progress):
     return model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def task_scores(out: dict, tasks: list[str]) -> tuple[list[dict], dict[str, str]]:
+    """From `lm_eval.simple_evaluate`'s output (run with `log_samples=True`): the score of each
+    task (acc, acc_norm, their stderrs, chance, documents) and each task's per-document correctness
+    as a string of 0/1 in `doc_id` order, for paired comparisons between arms scored on the same
+    documents. Raises if the documents' mean differs from lm-eval's aggregate `acc`."""
+    from occult.evaltasks import CHANCE, TASK_NAMES
+
+    scores, per_doc = [], {}
+    for task in tasks:
+        res = out["results"][TASK_NAMES[task]]
+        scores.append({
+            "task": task,
+            "acc": res.get("acc,none"),
+            "acc_stderr": res.get("acc_stderr,none"),
+            "acc_norm": res.get("acc_norm,none"),
+            "acc_norm_stderr": res.get("acc_norm_stderr,none"),
+            "chance": CHANCE[task],
+            "n": out.get("n-samples", {}).get(TASK_NAMES[task], {}).get("effective"),
+        })
+        samples = sorted(out.get("samples", {}).get(TASK_NAMES[task], []), key=lambda sample: sample["doc_id"])
+        if samples and res.get("acc,none") is not None:
+            bits = "".join("1" if sample["acc"] else "0" for sample in samples)
+            if abs(bits.count("1") / len(bits) - res["acc,none"]) > 1e-9:
+                raise RuntimeError(f"{task}: per-document accuracy {bits.count('1') / len(bits)} "
+                                   f"differs from lm-eval's {res['acc,none']}")
+            per_doc[task] = bits
+    return scores, per_doc
+
+
 def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, profile_dir: Path,
              placements_dir: Path, out_json: Path, limit: int | None = None) -> dict:
     """Evaluate one variant; writes `out_json` (summary + lm-eval's results) and returns it."""
@@ -49,7 +78,7 @@ def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from occult.evaltasks import CHANCE, TASK_NAMES, make_task_dir
+    from occult.evaltasks import TASK_NAMES, make_task_dir
     from occult.models import load_checkpoint, set_routing
     from occult.variants import routing_for_variant
 
@@ -77,29 +106,20 @@ def evaluate(cfg: Config, variant_name: str, model_dir: Path, data_dir: Path, pr
                     random_seed=cfg.seed,
                     numpy_random_seed=cfg.seed,
                     torch_random_seed=cfg.seed,
-                    log_samples=False,
+                    log_samples=True,
                 )
             finally:
                 hook.remove()
     set_routing(model, None)
-    scores = []
-    for task in tasks:
-        res = out["results"][TASK_NAMES[task]]
-        scores.append({
-            "task": task,
-            "acc": res.get("acc,none"),
-            "acc_stderr": res.get("acc_stderr,none"),
-            "acc_norm": res.get("acc_norm,none"),
-            "acc_norm_stderr": res.get("acc_norm_stderr,none"),
-            "chance": CHANCE[task],
-            "n": out.get("n-samples", {}).get(TASK_NAMES[task], {}).get("effective"),
-        })
-        acc = scores[-1]["acc"]
-        log_event("score", f"variant {variant.name}, {task}: acc {'n/a' if acc is None else f'{acc:.4f}'}",
-                  variant=variant.name, **scores[-1])
+    scores, per_doc = task_scores(out, tasks)
+    for score in scores:
+        acc = score["acc"]
+        log_event("score", f"variant {variant.name}, {score['task']}: acc {'n/a' if acc is None else f'{acc:.4f}'}",
+                  variant=variant.name, **score)
     summary = {
         "variant": variant.name,
         "scores": scores,
+        "per_doc": per_doc,
         "elapsed_s": time.perf_counter() - start,
         "provenance": provenance(cfg.hash(), cfg.seed, stage="evaluate", variant=variant.name),
         "lm_eval": {"results": out["results"], "configs": out.get("configs"),
@@ -234,7 +254,7 @@ def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from occult.evaltasks import CHANCE, TASK_NAMES, make_task_dir
+    from occult.evaltasks import TASK_NAMES, make_task_dir
     from occult.models import load_checkpoint, set_routing
     from occult.variants import arm_config, arms_before_deadline, routing_for_variant, shard_of
 
@@ -261,24 +281,17 @@ def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path
                     model=lm, tasks=[TASK_NAMES[t] for t in tasks], task_manager=task_manager,
                     bootstrap_iters=100, limit=limit, cache_requests=True,
                     random_seed=arm_cfg.seed, numpy_random_seed=arm_cfg.seed, torch_random_seed=arm_cfg.seed,
-                    log_samples=False,
+                    log_samples=True,
                 )
                 set_routing(model, None)
-                scores = [{
-                    "task": task,
-                    "acc": out["results"][TASK_NAMES[task]].get("acc,none"),
-                    "acc_stderr": out["results"][TASK_NAMES[task]].get("acc_stderr,none"),
-                    "acc_norm": out["results"][TASK_NAMES[task]].get("acc_norm,none"),
-                    "acc_norm_stderr": out["results"][TASK_NAMES[task]].get("acc_norm_stderr,none"),
-                    "chance": CHANCE[task],
-                    "n": out.get("n-samples", {}).get(TASK_NAMES[task], {}).get("effective"),
-                } for task in tasks]
+                scores, per_doc = task_scores(out, tasks)
                 summary = {
                     "variant": arm.variant,
                     "arm": arm.name,
                     "setting": {"devices": arm.devices, "gate_weights": arm.gate_weights,
                                 "train_modules": arm.train_modules},
                     "scores": scores,
+                    "per_doc": per_doc,
                     "elapsed_s": time.perf_counter() - start,
                     "provenance": provenance(arm_cfg.hash(), arm_cfg.seed, stage="evaluate", variant=arm.variant,
                                              arm=arm.name, scorer="occult.evaluate.fast_lm (batched HFLM)"),
@@ -379,12 +392,39 @@ def _paper_order(row: dict) -> tuple:
             variant.method or "", row["arm"])
 
 
-def claim_verdicts(table: "pd.DataFrame") -> list[dict]:
-    """A verdict per paper claim from the arms table (differences of task-averaged accuracy, with
-    the stderr of a difference of independent averages; "holds" needs 2 standard errors)."""
+def paired_difference(pairs: list[tuple[dict[str, str], dict[str, str]]], tasks: list[str]) -> tuple[float, float] | None:
+    """Mean over `pairs` of arm a's minus arm b's task-averaged accuracy, and its standard error,
+    from per-document correctness (`task_scores`). All arms answered the same documents, so the
+    error is that of the mean per-document difference d_i (averaged over the pairs): var(d) / n per
+    task. None unless every arm has every task's documents, in the same number."""
+    import numpy as np
+
+    if not pairs or not tasks:
+        return None
+    arms = [arm for pair in pairs for arm in pair]
+    if any(t not in arm or len(arm[t]) != len(arms[0].get(t, "")) for arm in arms for t in tasks):
+        return None
+
+    def bits(arm: dict[str, str], task: str) -> "np.ndarray":
+        return (np.frombuffer(arm[task].encode(), dtype=np.uint8) - ord("0")).astype(np.float64)
+
+    means, variances = [], []
+    for task in tasks:
+        d = np.mean([bits(a, task) - bits(b, task) for a, b in pairs], axis=0)
+        means.append(d.mean())
+        variances.append(d.var(ddof=1) / len(d) if len(d) > 1 else 0.0)
+    return float(np.mean(means)), float(np.sqrt(np.sum(variances)) / len(tasks))
+
+
+def claim_verdicts(table: "pd.DataFrame", per_doc: dict[str, dict[str, str]] | None = None) -> list[dict]:
+    """A verdict per paper claim from the arms table: differences of task-averaged accuracy, "holds"
+    needing 2 standard errors. The error is the paired one (`paired_difference`) where `per_doc`
+    (arm -> task -> 0/1 per document) has both arms, else that of two independent averages."""
     import math
 
     by_arm = table.set_index("arm")
+    tasks = [c[: -len("_stderr")] for c in table.columns if c.endswith("_stderr") and c != "average_stderr"]
+    per_doc = per_doc or {}
 
     def avg(arm: str) -> tuple[float, float] | None:
         return (by_arm.at[arm, "average"], by_arm.at[arm, "average_stderr"]) if arm in by_arm.index else None
@@ -393,7 +433,11 @@ def claim_verdicts(table: "pd.DataFrame") -> list[dict]:
         if avg(a) is None or avg(b) is None:
             return None
         (ma, sa), (mb, sb) = avg(a), avg(b)
-        return {"a": a, "b": b, "diff": ma - mb, "stderr": math.sqrt(sa * sa + sb * sb)}
+        independent = math.sqrt(sa * sa + sb * sb)
+        paired = paired_difference([(per_doc[a], per_doc[b])], tasks) if a in per_doc and b in per_doc else None
+        return {"a": a, "b": b, "diff": ma - mb, "stderr": paired[1] if paired else independent,
+                "stderr_basis": "paired documents" if paired else "independent averages",
+                "stderr_independent": independent}
 
     pruned = table[table["variant"].str.startswith("prune") & (table.get("gate_weights") == "keep")
                    & (table.get("train_modules") == "moe")]
@@ -415,6 +459,8 @@ def claim_verdicts(table: "pd.DataFrame") -> list[dict]:
     pairs = [d for d in (diff(a, a.replace("-sim-", "-router-")) for a in pruned["arm"] if "-sim-" in a) if d]
     mean = sum(d["diff"] for d in pairs) / len(pairs) if pairs else 0.0
     spread = math.sqrt(sum(d["stderr"] ** 2 for d in pairs)) / len(pairs) if pairs else 0.0
+    if pairs and all(d["stderr_basis"] == "paired documents" for d in pairs):      # the pairs share documents too
+        spread = paired_difference([(per_doc[d["a"]], per_doc[d["b"]]) for d in pairs], tasks)[1]
     verdicts.append({
         "claim": "similarity-based pruning beats router-score-based pruning",
         "comparisons": pairs,
@@ -437,9 +483,15 @@ def summarise_arms(results_dir: Path, figures_dir: Path) -> None:
 
     results_dir, figures_dir = Path(results_dir), Path(figures_dir)
     table = arms_accuracy_table(results_dir / "evaluate")
+    per_doc = {}
+    for path in sorted((results_dir / "evaluate").glob("*.json")):
+        summary = json.loads(path.read_text())
+        if summary.get("per_doc"):
+            per_doc[summary.get("arm", path.stem)] = summary["per_doc"]
     meta = provenance(None, None, stage="summarise", source=str(results_dir / "evaluate"))
     write_csv(results_dir / "tables" / "accuracy.csv", table, meta)
-    write_json(results_dir / "tables" / "verdicts.json", {"provenance": meta, "verdicts": claim_verdicts(table)})
+    write_json(results_dir / "tables" / "verdicts.json",
+               {"provenance": meta, "verdicts": claim_verdicts(table, per_doc)})
     tasks = [c for c in table.columns if f"{c}_stderr" in table.columns and c != "average"]
     arms = table[table["arm"] != "chance"]
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(tasks) + 2), 5))

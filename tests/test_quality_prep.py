@@ -286,7 +286,13 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shard
     assert not any(n.endswith((".safetensors", ".pt", ".bin")) for n in names)
     with tarfile.open(tmp_path / "out" / "quality_results.tar.gz") as tar:
         pretrained = json.load(tar.extractfile("./model/occult_pretrain.json"))
+        raw = json.load(tar.extractfile("./evaluate/raw.json"))
     assert pretrained["train"]["data_parallel_ranks"] == int(gpus)
+    # every task's per-document answers are kept, and their mean is lm-eval's accuracy
+    for score in raw["scores"]:
+        bits = raw["per_doc"][score["task"]]
+        assert set(bits) <= {"0", "1"} and len(bits) == score["n"]
+        assert bits.count("1") / len(bits) == pytest.approx(score["acc"], abs=1e-12)
 
 
 # --------------------------------------------------------------------------- ShareGPT, the guard, the summary
@@ -343,3 +349,67 @@ def test_summary_table_is_in_paper_order_and_verdicts_follow_the_numbers(tmp_pat
     assert verdicts["pruning within 1 device hurts"] == "holds"
     assert verdicts["similarity-based pruning beats router-score-based pruning"] == "holds"
     assert (tmp_path / "figures" / "accuracy.png").stat().st_size > 1000
+
+
+def _bits(values) -> str:
+    return "".join("1" if v else "0" for v in values)
+
+
+def test_paired_difference_is_the_mean_per_document_difference():
+    from occult.evaluate import paired_difference
+
+    rng = np.random.default_rng(0)
+    a = {"copa": rng.random(100) < 0.6, "piqa": rng.random(400) < 0.7}
+    b = {t: np.where(rng.random(len(v)) < 0.1, ~v, v) for t, v in a.items()}     # b flips 10% of a's answers
+    diff, stderr = paired_difference([({t: _bits(v) for t, v in a.items()}, {t: _bits(v) for t, v in b.items()})],
+                                     ["copa", "piqa"])
+    d = {t: a[t].astype(float) - b[t] for t in a}
+    assert diff == pytest.approx(np.mean([d[t].mean() for t in d]))
+    assert stderr == pytest.approx(np.sqrt(sum(d[t].var(ddof=1) / len(d[t]) for t in d)) / 2)
+    independent = np.sqrt(sum(v.mean() * (1 - v.mean()) / len(v) for arm in (a, b) for v in arm.values())) / 2
+    assert stderr < independent / 2            # agreeing arms: the paired error is far smaller
+    assert paired_difference([({"copa": "01"}, {"copa": "011"})], ["copa"]) is None     # other documents
+    assert paired_difference([({"copa": "01"}, {"copa": "01"})], ["copa", "piqa"]) is None   # a task missing
+
+
+def test_task_scores_keep_documents_and_check_them_against_the_aggregate():
+    from occult.evaltasks import TASK_NAMES
+    from occult.evaluate import task_scores
+
+    name = TASK_NAMES["copa"]
+    out = {"results": {name: {"acc,none": 0.5, "acc_stderr,none": 0.29}}, "n-samples": {name: {"effective": 4}},
+           "samples": {name: [{"doc_id": i, "acc": acc} for i, acc in [(2, 1.0), (0, 0.0), (3, 0.0), (1, 1.0)]]}}
+    scores, per_doc = task_scores(out, ["copa"])
+    assert per_doc == {"copa": "0110"} and scores[0]["acc"] == 0.5 and scores[0]["n"] == 4
+    out["results"][name]["acc,none"] = 0.75
+    with pytest.raises(RuntimeError, match="copa"):
+        task_scores(out, ["copa"])
+
+
+def test_verdicts_use_the_paired_error_when_documents_are_kept(tmp_path):
+    """The same accuracies: a 1.5-point gain of similarity over router pruning is within 2 errors of
+    independent averages but far outside the paired error (the arms differ on 1.5% of documents)."""
+    from occult.evaluate import claim_verdicts, summarise_arms
+
+    n = 2000
+    base = np.arange(n) % 3 == 0                                 # 33.3% correct
+    better = base.copy()
+    better[1:int(0.015 * n) * 3:3] = True                        # 30 more documents right
+    arms = {Arm("raw", 8): base, Arm("sft", 8): better, Arm("prune2-router", 8): base, Arm("prune2-sim", 8): better}
+    (tmp_path / "evaluate").mkdir()
+    for arm, correct in arms.items():
+        summary = _fake_summary(arm, {"piqa": float(correct.mean())})
+        summary["scores"][0]["acc_stderr"] = float(np.sqrt(correct.mean() * (1 - correct.mean()) / n))
+        summary["per_doc"] = {"piqa": _bits(correct)}
+        (tmp_path / "evaluate" / f"{arm.name}.json").write_text(json.dumps(summary))
+    summarise_arms(tmp_path, tmp_path / "figures")
+    verdicts = {v["claim"]: v for v in json.loads((tmp_path / "tables" / "verdicts.json").read_text())["verdicts"]}
+    sim = verdicts["similarity-based pruning beats router-score-based pruning"]
+    (pair,) = sim["comparisons"]
+    assert pair["stderr_basis"] == "paired documents" and pair["diff"] == pytest.approx(0.015)
+    assert pair["diff"] < 2 * pair["stderr_independent"] and pair["diff"] > 2 * pair["stderr"]
+    assert sim["verdict"] == "holds"
+    import pandas as pd
+
+    table = pd.read_csv(tmp_path / "tables" / "accuracy.csv")
+    assert claim_verdicts(table)[2]["verdict"].startswith("inconclusive")      # without the documents
