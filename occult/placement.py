@@ -90,6 +90,22 @@ def intra_device_pair_fraction(ids_NK: np.ndarray, device_of_expert: np.ndarray,
     return float(intra / (len(cnt_ND) * top_k * (top_k - 1) // 2))
 
 
+def trace_metrics(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int) -> dict[str, float]:
+    """`expected_ct`, `max_device_load_over_mean` and `intra_device_pair_fraction` of one trace,
+    from one pass over it (`device_counts`); equal to the three functions."""
+    cnt_ND = device_counts(ids_NK, device_of_expert, num_devices)
+    if len(cnt_ND) == 0:
+        raise ValueError("trace_metrics: the routing trace has no tokens")
+    top_k = np.asarray(ids_NK).shape[1]
+    load_D = cnt_ND.sum(axis=0)
+    pairs = len(cnt_ND) * top_k * (top_k - 1) // 2
+    return {
+        "expected_ct": float(np.count_nonzero(cnt_ND, axis=1).mean()) if top_k else 0.0,
+        "max_device_load_over_mean": float(load_D.max() / load_D.mean()),
+        "intra_device_pair_fraction": float((cnt_ND * (cnt_ND - 1) // 2).sum() / pairs) if top_k >= 2 else 1.0,
+    }
+
+
 # ----------------------------------------------------------------------------------------------
 # Placements
 
@@ -354,15 +370,14 @@ def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path
                 device_of_expert = place(method, coact_LEE[i], calib_LNK[i], num_devices,
                                          pcfg.swap_rounds, cfg.seed + i)
                 placements.append(device_of_expert)
+                heldout = trace_metrics(heldout_LNK[i], device_of_expert, num_devices)
                 method_rows.append({
                     "D": num_devices, "method": method, "layer": str(layer),
-                    "expected_ct_heldout": expected_ct(heldout_LNK[i], device_of_expert),
+                    "expected_ct_heldout": heldout["expected_ct"],
                     "expected_ct_calibration": expected_ct(calib_LNK[i], device_of_expert),
                     "lower_bound": lower, "upper_bound": upper,
-                    "max_device_load_over_mean": max_device_load_over_mean(
-                        heldout_LNK[i], device_of_expert, num_devices),
-                    "intra_device_pair_fraction": intra_device_pair_fraction(
-                        heldout_LNK[i], device_of_expert, num_devices),
+                    "max_device_load_over_mean": heldout["max_device_load_over_mean"],
+                    "intra_device_pair_fraction": heldout["intra_device_pair_fraction"],
                 })
                 bar.log(D=num_devices, method=method, layer=int(layer),
                         expected_ct_heldout=method_rows[-1]["expected_ct_heldout"])

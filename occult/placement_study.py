@@ -33,9 +33,8 @@ from occult.placement import (
     ct_bounds,
     expected_ct,
     greedy_occult,
-    intra_device_pair_fraction,
-    max_device_load_over_mean,
     swap_search,
+    trace_metrics,
 )
 from occult.placement_extra import (
     SYNTHETIC_SHAPES,
@@ -170,11 +169,12 @@ class _LayerPlacer:
 
 
 def _measure(heldout_NK: np.ndarray, placed: np.ndarray, num_devices: int, gpus_per_node: int) -> dict[str, float]:
+    metrics = trace_metrics(heldout_NK, placed, num_devices)
     return {
-        "expected_ct_heldout": expected_ct(heldout_NK, placed),
+        "expected_ct_heldout": metrics["expected_ct"],
         "inter_node_ct_heldout": expected_node_ct(heldout_NK, placed, gpus_per_node),
-        "intra_device_pair_fraction": intra_device_pair_fraction(heldout_NK, placed, num_devices),
-        "max_device_load_over_mean": max_device_load_over_mean(heldout_NK, placed, num_devices),
+        "intra_device_pair_fraction": metrics["intra_device_pair_fraction"],
+        "max_device_load_over_mean": metrics["max_device_load_over_mean"],
     }
 
 

@@ -27,6 +27,7 @@ from occult.placement import (
     place,
     run_placement,
     swap_search,
+    trace_metrics,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,6 +138,20 @@ def test_load_and_pair_metrics():
     assert max_device_load_over_mean(ids_NK, device_of_expert, 2) == pytest.approx(6 / 4)
     with pytest.raises(ValueError, match="ids_NK"):
         collaboration_count(np.array([[0, 4]]), device_of_expert)
+
+
+@pytest.mark.parametrize("experts,devices,top_k,seed", [(16, 4, 4, 0), (64, 8, 8, 1), (8, 2, 1, 2), (12, 3, 5, 3)])
+def test_trace_metrics_equal_the_three_functions(experts, devices, top_k, seed):
+    device_of_expert = random_placement(experts, devices, seed=seed)
+    ids_NK = random_trace(experts, top_k, 500, seed=seed)
+    got = trace_metrics(ids_NK, device_of_expert, devices)
+    assert got["expected_ct"] == pytest.approx(expected_ct(ids_NK, device_of_expert), abs=1e-12)
+    assert got["max_device_load_over_mean"] == pytest.approx(
+        max_device_load_over_mean(ids_NK, device_of_expert, devices), abs=1e-12)
+    assert got["intra_device_pair_fraction"] == pytest.approx(
+        intra_device_pair_fraction(ids_NK, device_of_expert, devices), abs=1e-12)
+    with pytest.raises(ValueError, match="no tokens"):
+        trace_metrics(ids_NK[:0], device_of_expert, devices)
 
 
 # ---------------------------------------------------------------------------------------------
