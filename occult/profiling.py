@@ -404,6 +404,26 @@ def load_routing(path: str | Path) -> RoutingRecord:
     return RoutingRecord(a["ids"], a["sources"], tuple(str(s) for s in a["source_names"]), a["layers"])
 
 
+def sample_routing(src: str | Path, dst: str | Path, tokens: int) -> RoutingRecord:
+    """Save the first `tokens` tokens of the routing file `src` (whole profiling windows, in their
+    order) to `dst`, compressed and in the smallest integer types: a real trace small enough to
+    come back from a GPU machine (16,384 tokens of a 30-layer top-8 model: about 3 MB). `dst`
+    reads back with `load_routing`."""
+    if tokens < 1:
+        raise ValueError(f"sample_routing: tokens={tokens} must be at least 1")
+    record = load_routing(src)
+    ids = record.ids[:, :tokens]
+    sources = record.sources[:tokens]
+
+    def smallest(array: np.ndarray) -> np.ndarray:
+        return array.astype(np.uint8 if array.size == 0 or (array.min() >= 0 and array.max() < 256) else np.int32)
+
+    with atomic_path(Path(dst)) as tmp, open(tmp, "wb") as handle:
+        np.savez_compressed(handle, ids=smallest(ids), sources=smallest(sources),
+                            source_names=np.asarray(record.source_names, dtype=str), layers=record.layers)
+    return RoutingRecord(ids, sources, record.source_names, record.layers)
+
+
 # --------------------------------------------------------------------------- the stage
 
 

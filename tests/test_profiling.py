@@ -22,6 +22,7 @@ from occult.profiling import (
     profile,
     read_corpus,
     route_windows,
+    sample_routing,
 )
 from test_models import EOT, tiny_model_cfg, write_standin_data
 
@@ -92,6 +93,16 @@ def test_profile_writes_consistent_counts(workspace, tmp_path):
     assert sum(meta["splits"]["heldout"]["tokens_per_source"].values()) == 300
     assert set(meta["files"]["profile.npz"]["arrays"]) == {
         "coactivation", "load", "logit_gram", "logit_sum", "tokens", "layers", "top_k", "num_experts"}
+
+    # a sample of the trace reads back equal to the first tokens of the whole trace
+    sampled = sample_routing(tmp_path / "routing_heldout.npz", tmp_path / "sample.npz", 120)
+    back = load_routing(tmp_path / "sample.npz")
+    assert back.ids.dtype == np.uint8 and np.array_equal(back.ids, held.ids[:, :120])
+    assert np.array_equal(back.sources, held.sources[:120]) and back.source_names == held.source_names
+    assert np.array_equal(back.layers, held.layers) and np.array_equal(sampled.ids, held.ids[:, :120])
+    with pytest.raises(ValueError, match="tokens=0"):
+        sample_routing(tmp_path / "routing_heldout.npz", tmp_path / "none.npz", 0)
+    assert not (tmp_path / "none.npz").exists()
 
     sim = prof.similarity()
     assert sim.shape == (2, E, E)

@@ -280,6 +280,7 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shard
     assert {f"./evaluate/{a.name}.json" for a in arms} <= names
     assert {f"./finetune/{a.name}_log.csv" for a in arms if a.name != "raw"} <= names
     assert {"./model/pretrain_log.csv", "./model/router_structure.json", "./profile/profile.json",
+            "./profile/profile.npz", "./profile/routing_calibration_sample.npz", "./profile/routing_heldout_sample.npz",
             "./placement/expected_ct.csv", "./timings.json", "./config.yaml", "./model/pretrain_steptrace.json",
             "./model/trainbench.csv",
             "./finetune/steptrace.json"} <= names

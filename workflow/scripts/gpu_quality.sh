@@ -14,6 +14,7 @@
 #      QUALITY_GPUS (default 1): GPUs to use; with N > 1 pre-training runs data parallel under
 #      torchrun and fine-tuning and evaluation run one process per GPU, each on every N-th arm.
 #      TRAINBENCH_STEPS (default 10; 0: none), TRAINBENCH_WARMUP (3): occult.trainbench before pre-training,
+#      ROUTING_SAMPLE_TOKENS (default 16384): tokens of each routing trace returned in profile/,
 #      QUALITY_SHARDS (default QUALITY_GPUS): fine-tuning and evaluation processes, spread round-robin
 #      over the GPUs (2 on one GPU overlap one process's host work with the other's kernels).
 set -euo pipefail
@@ -161,6 +162,14 @@ run_variants() {
     local t0=$(date +%s)
     if [ ! -f "$RES/profile/profile.json" ]; then
         "$PY" -m occult profile --config "$CONFIG" --model "$WORK/model/base" --data "$DATA" --out "$WORK/profile"
+        # what the placement stage reads, small enough to come back: the co-activation statistics
+        # and the first ROUTING_SAMPLE_TOKENS tokens of each routing trace (a real trace for the EP
+        # benchmark, the placement study and the simulator on a CPU machine)
+        cp "$WORK/profile/profile.npz" "$RES/profile/profile.npz"
+        for split in calibration heldout; do
+            "$PY" -c 'import sys; from occult.profiling import sample_routing; sample_routing(sys.argv[1], sys.argv[2], int(sys.argv[3]))' \
+                "$WORK/profile/routing_$split.npz" "$RES/profile/routing_${split}_sample.npz" "${ROUTING_SAMPLE_TOKENS:-16384}"
+        done
         cp "$WORK/profile/profile.json" "$RES/profile/profile.json"
         timing profile $(( $(date +%s) - t0 )); t0=$(date +%s)
     fi
