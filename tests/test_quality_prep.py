@@ -237,6 +237,25 @@ def test_batched_scorer_equals_hflm(micro_data, tmp_path):
     np.testing.assert_allclose([x for x, _ in got], [x for x, _ in ref], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["olmoe", "qwen2_moe", "deepseek_v2", "mixtral"])
+def test_continuation_logits_equal_the_full_forward(arch):
+    from test_models import tiny_hf_model
+
+    from occult.evaluate import continuation_logits
+
+    model = tiny_hf_model(arch, vocab_size=97, seed=4).eval()
+    ids_BS = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(5))
+    pos_b, pos_s = torch.tensor([0, 0, 1, 2, 2, 2]), torch.tensor([3, 10, 0, 5, 6, 10])
+    with torch.no_grad():
+        want = model(input_ids=ids_BS, use_cache=False).logits[pos_b, pos_s]
+        head_inputs = []
+        hook = model.get_output_embeddings().register_forward_hook(lambda m, args, out: head_inputs.append(args[0].shape))
+        got = continuation_logits(model, ids_BS, pos_b, pos_s)
+        hook.remove()
+    assert head_inputs == [torch.Size([6, model.config.hidden_size])]      # the head saw the picked rows only
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- the scripts, end to end
 
 
