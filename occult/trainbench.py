@@ -8,8 +8,8 @@ shape, so no data is needed), and for each of `occult.models.EXPERTS_KERNELS` ru
 gradient clipping, the load-balancing loss). Every kernel starts from the same weights and sees the
 same batches. One row per kernel: median and mean ms per step (CUDA-synchronised wall time of each
 step), tokens per second, peak memory, the first step's loss and its difference from the first
-kernel's (the two paths compute the same model). Runs on a CPU only under TRITON_INTERPRET=1 and
-for tiny configs (the tests).
+kernel's (the two paths compute the same model); on a GPU also the host syncs of one more step and
+the lines that made them. Runs on a CPU only under TRITON_INTERPRET=1 and for tiny configs (the tests).
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import pandas as pd
 import torch
@@ -30,39 +33,65 @@ from occult.pretrain import CLIP_NORM, autocast_for, build_base_model, make_opti
 from occult.provenance import provenance, write_csv
 
 
+def sync_sites(step: Callable[[], object]) -> dict[str, int]:
+    """Host syncs made by one call of `step` on a CUDA device, by the Python line that asked for
+    them (`file:line` -> count): CUDA's sync debug mode warns at every synchronising op. Syncs
+    inside the autograd engine's own threads may be missed."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    sites = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower())
+    return dict(sites.most_common())
+
+
 def bench_kernel(model, kernel: str, batches: list[torch.Tensor], warmup: int, lr: float,
                  use_aux: bool) -> dict:
-    """Step times of `model` (trained in place) with `kernel`; `batches` = warmup + timed steps."""
+    """Step times of `model` (trained in place) with `kernel`; `batches` = warmup + timed steps.
+    On a GPU, one more step under CUDA's sync debug mode counts its host syncs (`sync_sites`)."""
     device = next(model.parameters()).device
     use_experts_kernel(model, kernel)
     optimizer = make_optimizer(model, lr, fused=device.type == "cuda")
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times_ms, first_loss = [], None
-    model.train()
-    for i, ids_BS in enumerate(progress(batches, desc=f"trainbench {kernel}", unit="step")):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+
+    def step(ids_BS: torch.Tensor) -> torch.Tensor:
         with autocast_for(device):
             out = model(input_ids=ids_BS, labels=ids_BS, output_router_logits=use_aux, use_cache=False)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        return out.loss.detach()
+
+    times_ms, first_loss = [], None
+    model.train()
+    for i, ids_BS in enumerate(progress(batches, desc=f"trainbench {kernel}", unit="step")):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step(ids_BS)
         if cuda:
             torch.cuda.synchronize()
         if i == 0:
-            first_loss = float(out.loss.detach())
+            first_loss = float(loss)
         if i >= warmup:
             times_ms.append((time.perf_counter() - start) * 1e3)
     tokens = batches[0].numel()
     median = statistics.median(times_ms)
+    sites = sync_sites(lambda: step(batches[-1])) if cuda else {}
     return {"experts_kernel": kernel, "steps": len(times_ms), "median_ms": median,
             "mean_ms": statistics.fmean(times_ms), "tokens_per_s": tokens / median * 1e3,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-            "first_loss": first_loss}
+            "first_loss": first_loss,
+            "host_syncs_per_step": sum(sites.values()) if cuda else float("nan"),
+            "sync_sites": "; ".join(f"{site} x{count}" for site, count in list(sites.items())[:8])}
 
 
 def run_trainbench(config: Path, out: Path, steps: int, warmup: int, vocab_size: int | None = None) -> pd.DataFrame:
