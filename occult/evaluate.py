@@ -472,9 +472,10 @@ def claim_verdicts(table: "pd.DataFrame", per_doc: dict[str, dict[str, str]] | N
     })
     pairs = [d for d in (diff(a, a.replace("-sim-", "-router-")) for a in pruned["arm"] if "-sim-" in a) if d]
     mean = sum(d["diff"] for d in pairs) / len(pairs) if pairs else 0.0
-    spread = math.sqrt(sum(d["stderr"] ** 2 for d in pairs)) / len(pairs) if pairs else 0.0
     if pairs and all(d["stderr_basis"] == "paired documents" for d in pairs):      # the pairs share documents too
         spread = paired_difference([(per_doc[d["a"]], per_doc[d["b"]]) for d in pairs], tasks)[1]
+    else:
+        spread = math.sqrt(sum(d["stderr"] ** 2 for d in pairs)) / len(pairs) if pairs else 0.0
     verdicts.append({
         "claim": "similarity-based pruning beats router-score-based pruning",
         "comparisons": pairs,

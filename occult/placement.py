@@ -76,18 +76,13 @@ def device_counts(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices:
 
 def max_device_load_over_mean(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int) -> float:
     """Load imbalance: the busiest device's (token, expert) assignments over the mean per device."""
-    load_D = device_counts(ids_NK, device_of_expert, num_devices).sum(axis=0)
-    return float(load_D.max() / load_D.mean())
+    return _load_over_mean(device_counts(ids_NK, device_of_expert, num_devices))
 
 
 def intra_device_pair_fraction(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int) -> float:
     """Share of co-activated expert pairs (two experts of one token) that sit on one device."""
     top_k = np.asarray(ids_NK).shape[1]
-    if top_k < 2:
-        return 1.0
-    cnt_ND = device_counts(ids_NK, device_of_expert, num_devices)
-    intra = (cnt_ND * (cnt_ND - 1) // 2).sum()
-    return float(intra / (len(cnt_ND) * top_k * (top_k - 1) // 2))
+    return _intra_pair_share(device_counts(ids_NK, device_of_expert, num_devices), top_k) if top_k >= 2 else 1.0
 
 
 def trace_metrics(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int) -> dict[str, float]:
@@ -97,13 +92,21 @@ def trace_metrics(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices:
     if len(cnt_ND) == 0:
         raise ValueError("trace_metrics: the routing trace has no tokens")
     top_k = np.asarray(ids_NK).shape[1]
-    load_D = cnt_ND.sum(axis=0)
-    pairs = len(cnt_ND) * top_k * (top_k - 1) // 2
     return {
-        "expected_ct": float(np.count_nonzero(cnt_ND, axis=1).mean()) if top_k else 0.0,
-        "max_device_load_over_mean": float(load_D.max() / load_D.mean()),
-        "intra_device_pair_fraction": float((cnt_ND * (cnt_ND - 1) // 2).sum() / pairs) if top_k >= 2 else 1.0,
+        "expected_ct": float(np.count_nonzero(cnt_ND, axis=1).mean()),
+        "max_device_load_over_mean": _load_over_mean(cnt_ND),
+        "intra_device_pair_fraction": _intra_pair_share(cnt_ND, top_k) if top_k >= 2 else 1.0,
     }
+
+
+def _load_over_mean(cnt_ND: np.ndarray) -> float:
+    load_D = cnt_ND.sum(axis=0)
+    return float(load_D.max() / load_D.mean())
+
+
+def _intra_pair_share(cnt_ND: np.ndarray, top_k: int) -> float:
+    """Pairs of a token's k >= 2 experts that sit on one device, over all such pairs."""
+    return float((cnt_ND * (cnt_ND - 1) // 2).sum() / (len(cnt_ND) * top_k * (top_k - 1) // 2))
 
 
 # ----------------------------------------------------------------------------------------------

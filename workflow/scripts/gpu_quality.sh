@@ -116,8 +116,8 @@ occult_cli=("$PY" -m occult)      # torchrun's own parser needs the "--" before 
 # several fine-tuning or evaluation processes on one GPU: each arm's result is the same, its timing is shared.
 # Each shard gets an equal share of the CPU cores (OMP_NUM_THREADS, unless set). With a thread per core
 # each, three shards on one H200 machine took 97 s per checkpoint load against 1.5 s for one process
-# alone (results/nvidia-h200/quality_upcycle_v2_partial/logs); on 2 cores, three loads took 39 s each
-# with 2 threads and 14 s with 1.
+# alone (results/nvidia-h200/quality_upcycle_v2_partial/logs); on 2 cores, three loads took 36-38 s
+# each with 2 threads and 13-14 s with 1 (examples/time_cpu_fixes.py loads).
 SHARDS=${QUALITY_SHARDS:-$GPUS}
 sharded() {
     local pids=() rc=0 code i device devices
