@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from occult.config import load_config
-    from occult.variants import parse_shard, quality_arms
+    from occult.variants import cap_gpu_memory_share, parse_shard, quality_arms
 
     parser = argparse.ArgumentParser(prog="python -m occult.evaluate", description=main.__doc__)
     for flag in ("--config", "--model", "--arms", "--data", "--profile", "--placements", "--out"):
@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the arms at positions K, K+N, ... (e.g. one process per GPU)")
     parser.add_argument("--log-json", metavar="PATH", help=log_json_help)
     args = parser.parse_args(argv)
+    cap_gpu_memory_share()
     cfg = load_config(args.config)
     missing = evaluate_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.arms), Path(args.data),
                             Path(args.profile), Path(args.placements), Path(args.out), args.time_limit,
@@ -448,10 +449,19 @@ def claim_verdicts(table: "pd.DataFrame", per_doc: dict[str, dict[str, str]] | N
             return None
         (ma, sa), (mb, sb) = avg(a), avg(b)
         independent = math.sqrt(sa * sa + sb * sb)
-        paired = paired_difference([(per_doc[a], per_doc[b])], tasks) if a in per_doc and b in per_doc else None
+        documents = a in per_doc and b in per_doc
+        paired = paired_difference([(per_doc[a], per_doc[b])], tasks) if documents else None
+        # the task that moves the difference most, and the difference without it: does one task decide?
+        by_task = {t: by_arm.at[a, t] - by_arm.at[b, t] for t in tasks}
+        decisive = max(by_task, key=lambda t: abs(by_task[t])) if len(tasks) > 1 else None
+        rest = [t for t in tasks if t != decisive]
+        without = paired_difference([(per_doc[a], per_doc[b])], rest) if documents and decisive else None
         return {"a": a, "b": b, "diff": ma - mb, "stderr": paired[1] if paired else independent,
                 "stderr_basis": "paired documents" if paired else "independent averages",
-                "stderr_independent": independent}
+                "stderr_independent": independent, "decisive_task": decisive,
+                "diff_without_decisive_task": (without[0] if without else
+                                               (sum(by_task[t] for t in rest) / len(rest) if rest else None)),
+                "stderr_without_decisive_task": without[1] if without else None}
 
     pruned = table[table["variant"].str.startswith("prune") & (table.get("gate_weights") == "keep")
                    & (table.get("train_modules") == "moe")]
@@ -483,7 +493,27 @@ def claim_verdicts(table: "pd.DataFrame", per_doc: dict[str, dict[str, str]] | N
         "verdict": "not measured" if not pairs else "holds" if mean > 2 * spread else
                    "does not hold" if mean < -2 * spread else "inconclusive (within 2 standard errors)",
     })
+    # two ablations the paper reports without a claim we could test: the sign of each difference
+    arms = table[table["arm"] != "chance"]
+    full = [d for d in (diff(a, a[: -len("-all")] + "-moe") for a in arms[arms["train_modules"] == "all"]["arm"]) if d]
+    verdicts.append({"claim": "full fine-tuning against MoE-only fine-tuning (same variant)", "comparisons": full,
+                     "verdict": _sign_verdict(full, "full fine-tuning", "MoE-only fine-tuning")})
+    gates = [d for d in (diff(a, a.replace("-renormalise-", "-keep-")) for a in
+                         arms[arms["gate_weights"] == "renormalise"]["arm"]) if d]
+    verdicts.append({"claim": "gate weights renormalised after pruning against kept as they are", "comparisons": gates,
+                     "verdict": _sign_verdict(gates, "renormalised gates", "kept gates")})
     return verdicts
+
+
+def _sign_verdict(comparisons: list[dict], a: str, b: str) -> str:
+    """`a better`, `b better` (every comparison beyond 2 standard errors, one sign), or no difference."""
+    if not comparisons:
+        return "not measured"
+    if all(d["diff"] > 2 * d["stderr"] for d in comparisons):
+        return f"{a} better"
+    if all(d["diff"] < -2 * d["stderr"] for d in comparisons):
+        return f"{b} better"
+    return "no consistent difference beyond 2 standard errors"
 
 
 def summarise_arms(results_dir: Path, figures_dir: Path) -> None:

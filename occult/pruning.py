@@ -10,10 +10,12 @@ Both rules run inside a model's forward pass, are vectorised over tokens and ret
   top-k order, by the expert inside the set most similar to it (`similarity_EE`, e.g. router-logit
   cosine) that is not selected yet. The replacement keeps the replaced expert's slot.
 
-Gate weights are probabilities from a softmax over all E logits (as OLMoE), read at the final ids.
-`gate="keep"` leaves them as they are (summing to < 1 when pruning drops probability mass);
-`gate="renormalise"` divides them by their sum. A model that normalises its top-k weights
-(`norm_topk_prob=True`) is always renormalised. For similarity replacements, `weight_from="own"`
+Gate weights are probabilities from a softmax over all E logits, read at the final ids.
+`gate="keep"` gives each kept expert the weight the unpruned router would give it: the probability
+itself (OLMoE), or for a router that normalises its top-k (`norm_topk_prob=True`, Mixtral) the
+probability over the unpruned top-k's mass. Either way the weights sum to less than the unpruned
+ones when pruning drops probability mass. `gate="renormalise"` divides them by their own sum
+(the rule a normalising router applies to whatever set it is given). For similarity replacements, `weight_from="own"`
 (default) gives a replacement its own router probability, so the gate reflects how much the router
 actually wants the expert that runs; `weight_from="replaced"` lets it inherit the probability of
 the expert it replaces, which keeps the total gate mass of the unpruned top-k.
@@ -58,7 +60,7 @@ def prune_router_score(logits_TE: torch.Tensor, k: int, device_of_expert_E: torc
         allowed_TE = devices_seen_TE.gather(1, expert_first_rank_TE) <= max_devices
         masked_TE = logits_TE.detach().masked_fill(~allowed_TE, float("-inf"))
         ids_TK = torch.topk(masked_TE, k, dim=-1).indices
-    return _gate_weights(logits_TE, ids_TK, renormalise=gate == "renormalise" or norm_topk_prob), ids_TK
+    return _pruned_gates(logits_TE, ids_TK, k, gate, norm_topk_prob), ids_TK
 
 
 def prune_similarity(logits_TE: torch.Tensor, k: int, device_of_expert_E: torch.Tensor, max_devices: int,
@@ -98,9 +100,8 @@ def prune_similarity(logits_TE: torch.Tensor, k: int, device_of_expert_E: torch.
             best_T = sim_TE.masked_fill(~candidates_TE, float("-inf")).argmax(dim=1)
             ids_TK[:, slot] = torch.where(outside_T, best_T, topk_ids_TK[:, slot])
             taken_TE[torch.arange(num_tokens, device=logits_TE.device), best_T] |= outside_T
-    renormalise = gate == "renormalise" or norm_topk_prob
     weight_ids_TK = ids_TK if weight_from == "own" else topk_ids_TK
-    return _gate_weights(logits_TE, weight_ids_TK, renormalise=renormalise), ids_TK
+    return _pruned_gates(logits_TE, weight_ids_TK, k, gate, norm_topk_prob), ids_TK
 
 
 def check_prunable(num_experts: int, k: int, num_devices: int, max_devices: int) -> None:
@@ -112,6 +113,16 @@ def check_prunable(num_experts: int, k: int, num_devices: int, max_devices: int)
     if min(max_devices, num_devices) * (num_experts // num_devices) < k:
         raise ValueError(f"max_devices*E/D = {max_devices}*{num_experts}/{num_devices} < k = {k}: "
                          "a pruned token could not keep k experts")
+
+
+def _pruned_gates(logits_TE: torch.Tensor, ids_TK: torch.Tensor, k: int, gate: str,
+                  norm_topk_prob: bool) -> torch.Tensor:
+    """Gate weights at the pruned ids under `gate` (module docstring)."""
+    if gate == "renormalise" or not norm_topk_prob:
+        return _gate_weights(logits_TE, ids_TK, renormalise=gate == "renormalise")
+    probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    unpruned_mass_T1 = torch.topk(probs_TE, k, dim=-1).values.sum(dim=-1, keepdim=True)
+    return (probs_TE.gather(1, ids_TK) / unpruned_mass_T1).to(logits_TE.dtype)
 
 
 def _gate_weights(logits_TE: torch.Tensor, ids_TK: torch.Tensor, renormalise: bool) -> torch.Tensor:

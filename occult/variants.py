@@ -27,8 +27,10 @@ def routing_for_variant(cfg: Config, variant: Variant | str, placements_dir: Pat
                         model: torch.nn.Module) -> RoutingFn | None:
     """The routing override of a variant for `model` (None = the model's own top-k).
 
-    Pruned weights follow each layer's own rule: renormalised when the router renormalises its
-    top-k (Mixtral, Qwen2-MoE with `norm_topk_prob`), then scaled by DeepSeek's routed scaling factor.
+    Pruned weights follow `finetune.gate_weights` against each layer's own rule (`occult.pruning`:
+    `keep` = what the unpruned router gives each kept expert, normalised over the unpruned top-k's
+    mass where the router normalises its top-k: Mixtral, Qwen2-MoE with `norm_topk_prob`), then
+    DeepSeek's routed scaling factor.
     """
     from occult.models import moe_layers
     from occult.placement import load_placement_layers
@@ -98,18 +100,6 @@ class Arm:
                              "gate_weights": self.gate_weights, "train_modules": self.train_modules}}
 
 
-def model_renormalises(cfg: Config) -> bool:
-    """Whether the configured model's router renormalises its top-k weights (so pruned gates are
-    always renormalised): the upcycled Mixtral, or a checkpoint whose config says so."""
-    if cfg.model.source == "upcycle":
-        return True
-    if cfg.model.source == "checkpoint":
-        import json
-        hf = json.loads((Path(cfg.model.checkpoint) / "config.json").read_text())
-        return hf.get("model_type") == "mixtral" or bool(hf.get("norm_topk_prob", False))
-    return False
-
-
 def quality_arms(cfg: Config, devices: tuple[int, ...] = (4, 8), max_devices: tuple[int, ...] = (1, 2, 4),
                  renormalised: tuple[str, ...] = ("prune2-sim", "prune1-sim"),
                  fully_trained: tuple[str, ...] = ("sft", "prune2-sim")) -> list[Arm]:
@@ -117,14 +107,11 @@ def quality_arms(cfg: Config, devices: tuple[int, ...] = (4, 8), max_devices: tu
 
     raw; standard SFT; `prune<N_d>-{router,sim}` for every D in `devices` (those of
     `cfg.placement.devices`) and every N_d < D with N_d*E/D >= k, gates kept, MoE modules trained;
-    the gate ablation (`renormalised` variants with renormalised gates; none when the model's
-    router renormalises its top-k anyway, as the upcycled Mixtral's does: the arms would be
-    identical) and full fine-tuning (`fully_trained`) at the largest D. Every arm shares data,
-    steps and seed.
+    the gate ablation (`renormalised` variants with renormalised gates, against the kept gates
+    of the same variant: `occult.pruning` defines both for every router) and full fine-tuning
+    (`fully_trained`) at the largest D. Every arm shares data, steps and seed.
     """
     experts, k = cfg.num_experts, cfg.top_k
-    if model_renormalises(cfg):
-        renormalised = ()
     usable = [d for d in devices if d in cfg.placement.devices and experts % d == 0]
     if not usable:
         raise ValueError(f"placement.devices: none of {devices} is a placement device count of this config")
@@ -161,6 +148,32 @@ def arms_before_deadline(arms, deadline: float | None, missing: list[str]):
         if hasattr(arms, "log"):
             arms.log(arm=arm.name)
         yield arm
+
+
+PROCESSES_PER_GPU_ENV = "OCCULT_PROCESSES_PER_GPU"
+
+
+def cap_gpu_memory_share(environ: dict | None = None) -> float | None:
+    """Where `OCCULT_PROCESSES_PER_GPU` = n > 1 (gpu_quality.sh sets it for its shards), cap this
+    process's CUDA caching allocator at 0.95/n of the GPU, so that it frees its cache and retries
+    before starving the processes beside it (session 9: one evaluation process held 85 GiB of an
+    H200 and its neighbour failed to allocate 3.6 GiB). Returns the fraction set, or None."""
+    import os
+
+    raw = (os.environ if environ is None else environ).get(PROCESSES_PER_GPU_ENV, "")
+    if not raw:
+        return None
+    try:
+        processes = int(raw)
+        if processes < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{PROCESSES_PER_GPU_ENV}={raw!r}: expected a whole number >= 1") from None
+    if processes == 1 or not torch.cuda.is_available():
+        return None
+    fraction = 0.95 / processes
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction
 
 
 def parse_shard(text: str) -> tuple[int, int]:

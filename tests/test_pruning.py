@@ -148,6 +148,35 @@ def test_gradients_reach_the_logits(gate):
             torch.testing.assert_close(grad, ref_grad)
 
 
+@pytest.mark.parametrize("rule", ["router", "sim"])
+def test_a_normalising_router_keeps_its_unpruned_weights_or_renormalises(rule):
+    """norm_topk_prob (Mixtral): `keep` divides each kept probability by the unpruned top-k's mass,
+    `renormalise` by the kept experts' own; pruning to every device gives the router's own weights."""
+    k, num_devices = 8, 8
+    logits_TE, device_of_expert_E, similarity_EE = make_case(64, num_devices, seed=13)
+    probs_TE = torch.softmax(logits_TE.double(), dim=-1)
+    unpruned_mass_T = probs_TE.topk(k, dim=-1).values.sum(dim=-1)
+
+    def prune(gate, max_devices):
+        if rule == "router":
+            return prune_router_score(logits_TE, k, device_of_expert_E, max_devices, gate=gate, norm_topk_prob=True)
+        return prune_similarity(logits_TE, k, device_of_expert_E, max_devices, similarity_EE, gate=gate,
+                                norm_topk_prob=True)
+
+    for gate in ("keep", "renormalise"):
+        weights_TK, ids_TK = prune(gate, 2)
+        kept_TK = probs_TE.gather(1, ids_TK)
+        want_TK = kept_TK / (unpruned_mass_T[:, None] if gate == "keep" else kept_TK.sum(dim=1, keepdim=True))
+        torch.testing.assert_close(weights_TK.double(), want_TK, atol=1e-6, rtol=1e-5)
+    kept_sum_T = prune("keep", 2)[0].double().sum(dim=1)
+    assert (kept_sum_T <= 1 + 1e-6).all() and (kept_sum_T < 1 - 1e-3).any()     # pruning dropped mass
+    own_w_TK, own_ids_TK = unpruned_topk(logits_TE, k, norm_topk_prob=True)
+    for gate in ("keep", "renormalise"):
+        weights_TK, ids_TK = prune(gate, num_devices)
+        assert torch.equal(ids_TK, own_ids_TK)
+        torch.testing.assert_close(weights_TK, own_w_TK)
+
+
 def test_nan_similarity_still_picks_a_valid_expert():
     logits_TE, device_of_expert_E, similarity_EE = make_case(16, 4, seed=2)
     similarity_EE[:, :8] = float("nan")

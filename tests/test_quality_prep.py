@@ -433,3 +433,45 @@ def test_verdicts_use_the_paired_error_when_documents_are_kept(tmp_path):
 
     table = pd.read_csv(tmp_path / "tables" / "accuracy.csv")
     assert claim_verdicts(table)[2]["verdict"].startswith("inconclusive")      # without the documents
+
+
+def test_ablation_verdicts_and_the_task_that_decides_a_difference(tmp_path):
+    """Full vs MoE-only fine-tuning and renormalised vs kept gates get a verdict each; every
+    comparison names the task that moves it most and the difference without that task."""
+    from occult.evaluate import claim_verdicts, summarise_arms
+
+    accs = {Arm("sft", 8): {"copa": 0.70, "piqa": 0.70}, Arm("sft", 8, train_modules="all"): {"copa": 0.80, "piqa": 0.72},
+            Arm("prune2-sim", 8): {"copa": 0.69, "piqa": 0.69},
+            Arm("prune2-sim", 8, gate_weights="renormalise"): {"copa": 0.60, "piqa": 0.62}}
+    (tmp_path / "evaluate").mkdir()
+    for arm, acc in accs.items():
+        (tmp_path / "evaluate" / f"{arm.name}.json").write_text(json.dumps(_fake_summary(arm, acc)))
+    summarise_arms(tmp_path, tmp_path / "figures")
+    verdicts = {v["claim"]: v for v in json.loads((tmp_path / "tables" / "verdicts.json").read_text())["verdicts"]}
+    full = verdicts["full fine-tuning against MoE-only fine-tuning (same variant)"]
+    (pair,) = full["comparisons"]
+    assert (pair["a"], pair["b"]) == ("sft-all", "sft-moe") and pair["diff"] == pytest.approx(0.06)
+    assert pair["decisive_task"] == "copa" and pair["diff_without_decisive_task"] == pytest.approx(0.02)
+    assert full["verdict"] == "full fine-tuning better"
+    gates = verdicts["gate weights renormalised after pruning against kept as they are"]
+    assert [d["a"] for d in gates["comparisons"]] == ["prune2-sim-D8-renormalise-moe"]
+    assert gates["verdict"] == "kept gates better"
+    import pandas as pd
+
+    table = pd.read_csv(tmp_path / "tables" / "accuracy.csv")
+    table = table[table["gate_weights"] != "renormalise"]
+    assert claim_verdicts(table)[-1]["verdict"] == "not measured"
+
+
+def test_processes_sharing_a_gpu_cap_their_allocator(monkeypatch):
+    from occult.variants import cap_gpu_memory_share
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f: calls.append(f))
+    assert cap_gpu_memory_share({}) is None and cap_gpu_memory_share({"OCCULT_PROCESSES_PER_GPU": "1"}) is None
+    assert cap_gpu_memory_share({"OCCULT_PROCESSES_PER_GPU": "3"}) == pytest.approx(0.95 / 3)
+    assert calls == [pytest.approx(0.95 / 3)]
+    for bad in ("0", "two"):
+        with pytest.raises(ValueError, match="OCCULT_PROCESSES_PER_GPU"):
+            cap_gpu_memory_share({"OCCULT_PROCESSES_PER_GPU": bad})

@@ -171,9 +171,12 @@ def test_fused_experts_kernel_equals_grouped_on_the_upcycled_model(tmp_path):
     torch.testing.assert_close(moe.model.layers[0].mlp.experts.gate_up_proj.grad, want[1], atol=1e-5, rtol=1e-4)
 
 
-def test_quality_arms_skip_the_gate_ablation_for_a_renormalising_router(tmp_path):
+def test_quality_arms_keep_the_gate_ablation_for_a_renormalising_router(tmp_path):
+    """`keep` and `renormalise` differ on a router that normalises its top-k (occult.pruning), so
+    the upcycled model gets the ablation arms too."""
     from occult.variants import quality_arms
     _to_gguf(_reference_llama(True), tmp_path / "m.gguf")
     arms = quality_arms(_upcycle_config(tmp_path / "m.gguf"))
-    assert arms and all(a.gate_weights == "keep" for a in arms)
     assert {"raw", "sft", "prune1-sim", "prune2-router"} <= {a.variant for a in arms}
+    assert {a.name for a in arms if a.gate_weights == "renormalise"} == {"prune2-sim-D4-renormalise-moe",
+                                                                         "prune1-sim-D4-renormalise-moe"}

@@ -123,10 +123,13 @@ sharded() {
     local pids=() rc=0 code i device devices
     local threads=${OMP_NUM_THREADS:-$(( $(nproc) / SHARDS > 0 ? $(nproc) / SHARDS : 1 ))}
     IFS=, read -r -a devices <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS - 1)))}"
+    # processes sharing one GPU: each caps its CUDA allocator at its share (cap_gpu_memory_share)
+    local per_gpu=$(( (SHARDS + GPUS - 1) / GPUS ))
     for ((i = 0; i < SHARDS; i++)); do
         if [ "$SHARDS" -gt 1 ]; then
             device=${devices[$(( i % GPUS ))]}
-            CUDA_VISIBLE_DEVICES=$device OMP_NUM_THREADS=$threads "$@" --shard "$i/$SHARDS" > >(sed "s/^/[gpu $device shard $i] /") 2>&1 &
+            CUDA_VISIBLE_DEVICES=$device OMP_NUM_THREADS=$threads OCCULT_PROCESSES_PER_GPU=$per_gpu \
+                "$@" --shard "$i/$SHARDS" > >(sed "s/^/[gpu $device shard $i] /") 2>&1 &
         else
             "$@" &
         fi
