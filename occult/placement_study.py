@@ -341,12 +341,19 @@ def _meta(stage: str, traces: Mapping[str, Any], devices: Sequence[int] | None, 
 
 
 def load_profile_splits(profile_dir: str | Path, max_tokens: int | None = None) -> RoutingSplits:
-    """Our model's routing from a profile directory (routing_{calibration,heldout}.npz)."""
+    """Our model's routing from a profile directory: routing_{calibration,heldout}.npz, or where
+    those are absent the samples a GPU run returns (routing_{calibration,heldout}_sample.npz,
+    `occult.profiling.sample_routing`)."""
     from occult.profiling import load_profile, load_routing
 
     profile_dir = Path(profile_dir)
-    calib = load_routing(profile_dir / "routing_calibration.npz")
-    heldout = load_routing(profile_dir / "routing_heldout.npz")
+
+    def split_file(split: str) -> Path:
+        full, sample = profile_dir / f"routing_{split}.npz", profile_dir / f"routing_{split}_sample.npz"
+        return sample if not full.is_file() and sample.is_file() else full
+
+    calib = load_routing(split_file("calibration"))
+    heldout = load_routing(split_file("heldout"))
     if calib.source_names != heldout.source_names or not np.array_equal(calib.layers, heldout.layers):
         raise ValueError(f"{profile_dir}: calibration and held-out routing differ in layers or source names")
     profile_file = profile_dir / "profile.npz"
@@ -372,9 +379,29 @@ def synthetic_splits(names: Sequence[str], num_tokens: int, num_layers: int, see
     return out
 
 
+def plot_main(argv: Sequence[str]) -> None:
+    """`python -m occult.placement_study --plot STUDY_CSV --figure PNG`: the study's figure from its
+    CSV (e.g. a committed study of a GPU run's routing sample)."""
+    from occult.report import plot_placement_study
+
+    parser = argparse.ArgumentParser(prog="python -m occult.placement_study --plot")
+    parser.add_argument("--plot", type=Path, required=True, metavar="STUDY_CSV")
+    parser.add_argument("--figure", type=Path, required=True)
+    parser.add_argument("--log-json", metavar="PATH")
+    args = parser.parse_args(argv)
+    if not args.plot.is_file():
+        raise FileNotFoundError(f"{args.plot}: no such study CSV")
+    plot_placement_study(pd.read_csv(args.plot), args.figure)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--plot" in argv:
+        return plot_main(argv)
     parser = argparse.ArgumentParser(prog="python -m occult.placement_study", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile-dir", type=Path, help="profile directory of our model (routing_*.npz)")
+    parser.add_argument("--trace-name", default="model", help="name of the profile's trace in the CSVs")
     parser.add_argument("--out", type=Path, required=True, help="study CSV (long rows)")
     parser.add_argument("--sensitivity-out", type=Path, help="sensitivity CSV (default: <out>_sensitivity.csv)")
     parser.add_argument("--devices", type=int, nargs="+", help="candidate D (default: even D <= 64 dividing E)")
@@ -397,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     traces: dict[str, RoutingSplits] = {}
     if args.profile_dir is not None:
-        traces["model"] = load_profile_splits(args.profile_dir, args.max_profile_tokens)
+        traces[args.trace_name] = load_profile_splits(args.profile_dir, args.max_profile_tokens)
     traces.update(synthetic_splits(args.synthetic, args.synthetic_tokens, args.synthetic_layers, args.seed))
     if not traces:
         parser.error("nothing to study: give --profile-dir or at least one --synthetic preset")
@@ -410,4 +437,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main("placement_study", main, output_flags=("--out", "--sensitivity-out")))
+    sys.exit(run_main("placement_study", main, output_flags=("--out", "--sensitivity-out", "--figure")))

@@ -111,3 +111,33 @@ def test_cli_on_profile_directory(tmp_path):
     assert (tmp_path / "out" / "study_sensitivity.csv.meta.json").is_file()
     with pytest.raises(Exception, match="routing_calibration.npz"):
         main(["--profile-dir", str(tmp_path / "missing"), "--out", str(out)])
+
+
+def test_cli_on_a_gpu_runs_routing_sample_and_its_figure(tmp_path):
+    """A GPU run returns routing_{split}_sample.npz (profiling.sample_routing): the study reads them
+    where the full traces are absent, names the trace, and `--plot` draws its figure."""
+    from occult.profiling import sample_routing
+
+    calib, heldout = synthetic_preset("olmoe", 400, 2, seed=6)
+    splits = with_sources(calib.astype(np.int16), heldout.astype(np.int16), 64)
+    full = tmp_path / "full"
+    full.mkdir()
+    profile_dir = tmp_path / "profile"
+    profile_dir.mkdir()
+    for name, ids, sources in (("calibration", splits.calib_LNK, splits.calib_sources),
+                               ("heldout", splits.heldout_LNK, splits.heldout_sources)):
+        np.savez(full / f"routing_{name}.npz", ids=ids.astype(np.int16), sources=sources.astype(np.int16),
+                 source_names=np.asarray(splits.source_names), layers=np.array([0, 1]))
+        sample_routing(full / f"routing_{name}.npz", profile_dir / f"routing_{name}_sample.npz", 300)
+    out = tmp_path / "study" / "study.csv"
+    main(["--profile-dir", str(profile_dir), "--trace-name", "gpu_sample", "--out", str(out), "--synthetic",
+          "--devices", "4", "8", "--methods", "contiguous", "greedy", "--sensitivity-methods", "--swap-rounds", "1"])
+    table = pd.read_csv(out)
+    assert set(table["trace"]) == {"gpu_sample"} and set(table["D"]) == {4, 8}
+    meta = json.loads(out.with_name("study.csv.meta.json").read_text())
+    assert meta["calibration_shapes"]["gpu_sample"] == [2, 300, 8]          # the sample's 300 tokens
+    figure = tmp_path / "figures" / "placement_study.png"
+    main(["--plot", str(out), "--figure", str(figure)])
+    assert figure.stat().st_size > 1000
+    with pytest.raises(FileNotFoundError, match="missing.csv"):
+        main(["--plot", str(tmp_path / "missing.csv"), "--figure", str(figure)])

@@ -108,6 +108,13 @@ def committed_quality_runs() -> list[tuple[str, str]]:
                    for path in Path("results").glob("*/quality_*/evaluate/*.json")})
 
 
+def committed_placement_studies() -> list[tuple[str, str]]:
+    """(machine, version) of every committed placement study of a GPU run's routing sample:
+    results/<machine>/quality_<version>/placement_study/study.csv (docs/placement.md)."""
+    return sorted({(path.parent.parent.parent.name, path.parent.parent.name.removeprefix("quality_"))
+                   for path in Path("results").glob("*/quality_*/placement_study/study.csv")})
+
+
 def quality_eval_jsons(wildcards) -> list[str]:
     run_dir = Path("results") / wildcards.machine / f"quality_{wildcards.version}"
     return sorted(str(p) for p in (run_dir / "evaluate").glob("*.json"))
@@ -167,6 +174,7 @@ def final_outputs() -> list[str]:
         *[f"results/{m}/ep_{v}/targets.csv" for m, v in committed_ep_runs()],
         *[f"results/{m}/quality_{v}/tables/accuracy.csv" for m, v in committed_quality_runs()],
         *[f"figures/{m}/quality_{v}/accuracy.png" for m, v in committed_quality_runs()],
+        *[f"figures/{m}/quality_{v}/placement_study.png" for m, v in committed_placement_studies()],
         f"{RESULTS}/config.yaml",
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",

@@ -56,3 +56,32 @@ rule study_placement:
         "python -m occult.placement_study --profile-dir {params.profile} --out {output.study}"
         " --sensitivity-out {output.sensitivity} --synthetic {params.synthetic} --seed {params.seed}"
         " --swap-rounds {params.rounds} --log-json {log.json} 2>&1 | tee {log.text}"
+
+
+# The figure of a committed placement study of a GPU run's routing sample (CPU only). The study
+# itself is a committed result: `python -m occult.placement_study --profile-dir
+# results/<machine>/quality_<version>/profile ...` (docs/placement.md gives the command).
+rule plot_placement_study_gpu:
+    input:
+        study="results/{machine}/quality_{version}/placement_study/study.csv",
+    output:
+        figure=report(
+            "figures/{machine}/quality_{version}/placement_study.png",
+            category="Placement",
+            caption="../report/placement_study.rst",
+        ),
+    log:
+        text="logs/plot_placement_study_gpu/{machine}_{version}.log",
+        json="logs/plot_placement_study_gpu/{machine}_{version}.jsonl",
+    wildcard_constraints:
+        machine="[^/]+",
+        version="[^/]+",
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python -m occult.placement_study --plot {input.study} --figure {output.figure}"
+        " --log-json {log.json} > {log.text} 2>&1"
