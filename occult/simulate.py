@@ -659,6 +659,94 @@ class ShapeTraces:
         return chunks
 
 
+class RecordedTraces(ShapeTraces):
+    """One layer of a recorded routing trace (top-k expert ids without logits, e.g. a GPU run's
+    `routing_*_sample.npz`) on a shape with the same E and k: the held-out split is routed, the
+    calibration split places, the sweep's way (`greedy_occult` on its co-activation; `-balanced`
+    then the load-aware swap search). N_d pruning needs the router's logits, so those methods
+    read unsupported rather than being approximated."""
+
+    def __init__(self, shape: MoEShape, calib_NK: np.ndarray, heldout_NK: np.ndarray, seed: int) -> None:
+        for name, ids in (("calibration", calib_NK), ("held-out", heldout_NK)):
+            if ids.ndim != 2 or ids.shape[1] != shape.top_k or ids.shape[0] == 0:
+                raise SimulateError(f"trace: the {name} ids have shape {tuple(ids.shape)}, not [tokens, "
+                                    f"{shape.top_k}] (shape {shape.name}'s top-k)")
+            if ids.min() < 0 or ids.max() >= shape.num_experts:
+                raise SimulateError(f"trace: {name} expert ids outside [0, {shape.num_experts}) of shape {shape.name}")
+        self.shape, self.seed, self.routing = shape, seed, "trace"
+        self.router, self.logits_NE = None, None
+        self.calib_NK = torch.as_tensor(np.asarray(calib_NK, dtype=np.int64))
+        self.ids_NK = torch.as_tensor(np.asarray(heldout_NK, dtype=np.int64))
+        self._placements: dict[tuple[int, bool, bool], torch.Tensor] = {}
+        self._routes: dict[tuple[int, int, bool], torch.Tensor] = {}
+
+    def support(self, method: str, num_devices: int) -> str | None:
+        why = super().support(method, num_devices)
+        if why is None and method_spec(method).max_devices is not None:
+            why = "unsupported: N_d pruning needs the router's logits; a recorded trace holds expert ids only"
+        return why
+
+    def placement(self, method: str, num_devices: int) -> torch.Tensor:
+        from occult.placement import greedy_occult
+        from occult.placement_extra import load_aware_swap
+        from occult.sweep import BALANCE_EPS, derive_seed
+
+        spec = method_spec(method)
+        experts = self.shape.num_experts
+        key = (num_devices, spec.contiguous, spec.balanced and not spec.contiguous)
+        if key not in self._placements:
+            if spec.contiguous:
+                placement = torch.arange(experts) // (experts // num_devices)
+            else:
+                hits_NE = torch.zeros(self.calib_NK.shape[0], experts).scatter_(1, self.calib_NK, 1.0)
+                device_of = greedy_occult((hits_NE.t() @ hits_NE).numpy(), num_devices)
+                if key[2] and num_devices > 1:
+                    device_of = load_aware_swap(self.calib_NK.numpy(), num_devices, device_of, BALANCE_EPS, rounds=4,
+                                                seed=derive_seed(self.seed, "balanced", self.shape.name))
+                placement = torch.as_tensor([int(d) for d in device_of], dtype=torch.long)
+            self._placements[key] = placement
+        return self._placements[key]
+
+
+def predict_recorded(profile_dir: Path, trace_name: str, shape_name: str, layers: Sequence[int] | None,
+                     methods: Sequence[str], devices: Sequence[int], tokens_per_gpu: Sequence[int], cost: CostModel,
+                     seed: int):
+    """Scale predictions (prefill) on each layer of a recorded trace (`placement_study.load_profile_splits`:
+    full traces or a GPU run's samples) mapped onto `shape_name`; rows of PREDICTION_COLUMNS plus
+    `trace` and `layer`, and `layer = mean` rows averaging the layers."""
+    import pandas as pd
+
+    from occult.placement_study import load_profile_splits
+
+    shape = get_shape(shape_name)
+    splits = load_profile_splits(profile_dir)
+    if splits.num_experts != shape.num_experts:
+        raise SimulateError(f"trace: {profile_dir} routes over {splits.num_experts} experts, shape {shape_name} "
+                            f"has {shape.num_experts}")
+    chosen = list(splits.layers) if layers is None else list(layers)
+    missing = sorted(set(chosen) - set(splits.layers))
+    if missing:
+        raise SimulateError(f"trace_layers: {missing} are not layers of {profile_dir} ({list(splits.layers)})")
+    frames = []
+    for layer in chosen:
+        i = list(splits.layers).index(layer)
+        traces = {shape_name: RecordedTraces(shape, splits.calib_LNK[i], splits.heldout_LNK[i], seed)}
+        rows = predict(traces, methods, devices, [("prefill", t, None) for t in tokens_per_gpu], cost,
+                       f"predict trace layer {layer}")
+        frames.append(rows.assign(trace=trace_name, layer=str(layer)))
+    table = pd.concat(frames, ignore_index=True)
+    keys = ["shape", "method", "kind", "D", "nodes", "gpus_per_node", "tokens_per_gpu", "moe_layers", "status"]
+    numeric = [c for c in PREDICTION_COLUMNS if c not in keys and c != "batch"]
+    ok = table[table["status"] == "ok"]
+    mean = ok.groupby(keys, as_index=False)[numeric].mean()
+    naive = mean[mean["method"] == "naive"].set_index(["D", "tokens_per_gpu"])["layer_ms"]
+    mean["speedup_vs_naive"] = [naive.get((d, t), np.nan) / ms for d, t, ms
+                                in zip(mean["D"], mean["tokens_per_gpu"], mean["layer_ms"])]
+    mean["model_ms"] = mean["layer_ms"] * mean["moe_layers"]
+    skipped = table[table["status"] != "ok"].drop_duplicates(["method", "D", "tokens_per_gpu"]).assign(layer="mean")
+    return pd.concat([table, mean.assign(trace=trace_name, layer="mean"), skipped], ignore_index=True)
+
+
 def point_components(chunks: Sequence[Traffic], shape: MoEShape, method: str, pass_: str, cost: CostModel,
                      tokens_per_gpu: float, link_gpus_per_node: int | None = None) -> dict[str, float]:
     """Predicted terms of one layer (mean over trace chunks) and the traffic facts."""
@@ -1265,9 +1353,21 @@ def cost_summary(cost: CostModel) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class RecordedRequest:
+    """Predictions on a recorded trace (`predict_recorded`), written to `out`."""
+
+    profile_dir: Path
+    name: str
+    shape: str
+    layers: Sequence[int] | None
+    out: Path
+
+
 def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | None,
-                 config_hash: str | None = None) -> dict[str, Path]:
-    """Validation table, scale predictions and the issue-8 table (+ figures); returns the paths."""
+                 config_hash: str | None = None, recorded: RecordedRequest | None = None) -> dict[str, Path]:
+    """Validation table, scale predictions and the issue-8 table (+ figures), and with `recorded`
+    the predictions on a recorded trace, with the same calibrated model; returns the paths."""
     from occult.provenance import provenance, seed_everything, write_csv
 
     seed_everything(seed)
@@ -1297,6 +1397,13 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
     write_csv(paths["history"], history, meta=meta)
     write_csv(paths["predictions"], predictions, meta=meta)
     write_csv(paths["issue8"], issue8, meta=meta)
+    if recorded is not None:
+        paths["trace"] = recorded.out
+        write_csv(recorded.out, predict_recorded(recorded.profile_dir, recorded.name, recorded.shape, recorded.layers,
+                                                 settings.methods, settings.devices, settings.tokens_per_gpu, cost, seed),
+                  meta={**meta, "stage": "simulate_trace", "trace": {
+                      "profile_dir": str(recorded.profile_dir), "name": recorded.name, "shape": recorded.shape,
+                      "layers": None if recorded.layers is None else list(recorded.layers)}})
     if figures_dir is not None:
         paths["fig_speedup"] = figures_dir / "simulate_speedup.png"
         paths["fig_validation"] = figures_dir / "simulate_validation.png"
@@ -1426,13 +1533,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True, type=Path, help="directory of the three CSVs")
     parser.add_argument("--figures", type=Path, default=None)
+    parser.add_argument("--trace", type=Path, metavar="PROFILE_DIR",
+                        help="also predict on this recorded routing (routing_*.npz or a GPU run's *_sample.npz)")
+    parser.add_argument("--trace-name", default="trace", help="its name in the CSV")
+    parser.add_argument("--trace-shape", default="olmoe", help="the layer shape its routing is mapped onto")
+    parser.add_argument("--trace-layers", type=int, nargs="+", help="its layers to use (default: all)")
+    parser.add_argument("--trace-out", type=Path, help="predictions on the trace (default: <out>/predictions_trace.csv)")
     parser.add_argument("--log-json", metavar="PATH",
                         help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     if cfg.simulate is None:
         raise ConfigError("simulate: the configuration has no simulate section")
-    run_simulate(cfg.simulate, cfg.seed, args.out, args.figures, cfg.hash())
+    recorded = None if args.trace is None else RecordedRequest(
+        args.trace, args.trace_name, args.trace_shape, args.trace_layers,
+        args.trace_out or args.out / "predictions_trace.csv")
+    run_simulate(cfg.simulate, cfg.seed, args.out, args.figures, cfg.hash(), recorded)
     return 0
 
 
