@@ -26,7 +26,8 @@ PACKAGES = ("torch", "triton", "transformers", "lm_eval", "snakemake", "pandas",
 
 def git_commit(root: Path = REPO_ROOT) -> str:
     """Short commit of the checkout at `root`, "-dirty" when tracked code or config differs from it
-    (changes under results/ and figures/ do not count); $OCCULT_COMMIT where git cannot tell.
+    (changes under results/ and figures/, and to documentation: docs/ and *.md, do not count);
+    $OCCULT_COMMIT where git cannot tell.
 
     A set $OCCULT_COMMIT wins over git: the device scripts set it after checking the copied tree
     against the commit's file hashes, and a copied checkout's .git can be stale (on the lent GPU
@@ -39,11 +40,11 @@ def git_commit(root: Path = REPO_ROOT) -> str:
             ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout.strip()
-        # Committed outputs (results/, figures/) are rewritten by the pipeline itself: a change
-        # there does not make the code that produces them dirty.
+        # Committed outputs (results/, figures/) are rewritten by the pipeline itself, and no stage
+        # reads the documentation: a change there does not make the code that produces them dirty.
         dirty = subprocess.run(
             ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
-             ".", ":(exclude)results", ":(exclude)figures"],
+             ".", ":(exclude)results", ":(exclude)figures", ":(exclude)docs", ":(exclude)*.md"],
             capture_output=True, text=True, timeout=10, check=True,
         ).stdout.strip()
         return out + ("-dirty" if dirty else "")

@@ -405,7 +405,15 @@ def test_commit_is_dirty_for_code_changes_not_for_regenerated_results(tmp_path, 
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
     clean = git_commit(tmp_path)
     assert len(clean) == 12 and not clean.endswith("-dirty")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.md").write_text("old\n")
+    (tmp_path / "README.md").write_text("old\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "docs")
+    clean = git_commit(tmp_path)
     (tmp_path / "results" / "table.csv").write_text("a\n2\n")          # the pipeline rewrote an output
+    (tmp_path / "docs" / "notes.md").write_text("new\n")               # documentation changed
+    (tmp_path / "README.md").write_text("new\n")
     assert git_commit(tmp_path) == clean
     (tmp_path / "code.py").write_text("x = 2\n")                      # the code changed
     assert git_commit(tmp_path) == clean + "-dirty"
