@@ -89,15 +89,20 @@ def test_sensitivity_rows_cover_size_and_domain_shift():
             assert table.loc[(method, source), source] <= table.loc[(method, source), other]   # in-domain wins
 
 
-def test_cli_on_profile_directory(tmp_path):
-    calib, heldout = synthetic_preset("qwen_moe", 600, 2, seed=4)
-    splits = with_sources(calib.astype(np.int16), heldout.astype(np.int16), 60)
-    profile_dir = tmp_path / "profile"
+def write_routing(splits: RoutingSplits, profile_dir, layers: list[int]):
+    """`splits` as a profile directory's routing_{calibration,heldout}.npz (the profiling stage's format)."""
     profile_dir.mkdir()
     for name, ids, sources in (("calibration", splits.calib_LNK, splits.calib_sources),
                                ("heldout", splits.heldout_LNK, splits.heldout_sources)):
         np.savez(profile_dir / f"routing_{name}.npz", ids=ids.astype(np.int16), sources=sources.astype(np.int16),
-                 source_names=np.asarray(splits.source_names), layers=np.array([1, 3]))
+                 source_names=np.asarray(splits.source_names), layers=np.array(layers))
+    return profile_dir
+
+
+def test_cli_on_profile_directory(tmp_path):
+    calib, heldout = synthetic_preset("qwen_moe", 600, 2, seed=4)
+    splits = with_sources(calib.astype(np.int16), heldout.astype(np.int16), 60)
+    profile_dir = write_routing(splits, tmp_path / "profile", layers=[1, 3])
     out = tmp_path / "out" / "study.csv"
     main(["--profile-dir", str(profile_dir), "--out", str(out), "--synthetic", "olmoe", "--synthetic-tokens", "300",
           "--synthetic-layers", "1", "--devices", "2", "4", "--methods", "contiguous", "greedy", "swap", "eplb",
@@ -120,14 +125,10 @@ def test_cli_on_a_gpu_runs_routing_sample_and_its_figure(tmp_path):
 
     calib, heldout = synthetic_preset("olmoe", 400, 2, seed=6)
     splits = with_sources(calib.astype(np.int16), heldout.astype(np.int16), 64)
-    full = tmp_path / "full"
-    full.mkdir()
+    full = write_routing(splits, tmp_path / "full", layers=[0, 1])
     profile_dir = tmp_path / "profile"
     profile_dir.mkdir()
-    for name, ids, sources in (("calibration", splits.calib_LNK, splits.calib_sources),
-                               ("heldout", splits.heldout_LNK, splits.heldout_sources)):
-        np.savez(full / f"routing_{name}.npz", ids=ids.astype(np.int16), sources=sources.astype(np.int16),
-                 source_names=np.asarray(splits.source_names), layers=np.array([0, 1]))
+    for name in ("calibration", "heldout"):
         sample_routing(full / f"routing_{name}.npz", profile_dir / f"routing_{name}_sample.npz", 300)
     out = tmp_path / "study" / "study.csv"
     main(["--profile-dir", str(profile_dir), "--trace-name", "gpu_sample", "--out", str(out), "--synthetic",
