@@ -541,9 +541,10 @@ def summarise_arms(results_dir: Path, figures_dir: Path) -> None:
     arms = table[table["arm"] != "chance"]
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(tasks) + 2), 5))
     width = 0.8 / max(1, len(arms))
+    colors = plt.get_cmap("tab20").colors          # 20 distinct colours: a full grid has 14-16 arms
     for i, (_, row) in enumerate(arms.iterrows()):
         xs = [t + i * width for t in range(len(tasks) + 1)]
-        ax.bar(xs, [row[t] for t in tasks] + [row["average"]], width,
+        ax.bar(xs, [row[t] for t in tasks] + [row["average"]], width, color=colors[i % len(colors)],
                yerr=[row[f"{t}_stderr"] for t in tasks] + [row["average_stderr"]], label=row["arm"], capsize=1)
     chance = table[table["arm"] == "chance"].iloc[0]
     for t, task in enumerate(tasks + ["average"]):
