@@ -73,6 +73,8 @@ rule plot_placement_study_gpu:
     log:
         text="logs/plot_placement_study_gpu/{machine}_{version}.log",
         json="logs/plot_placement_study_gpu/{machine}_{version}.jsonl",
+    benchmark:
+        "benchmarks/plot_placement_study_gpu/{machine}_{version}.tsv"
     wildcard_constraints:
         machine="[^/]+",
         version="[^/]+",
