@@ -687,24 +687,15 @@ class RecordedTraces(ShapeTraces):
         return why
 
     def placement(self, method: str, num_devices: int) -> torch.Tensor:
-        from occult.placement import greedy_occult
-        from occult.placement_extra import load_aware_swap
-        from occult.sweep import BALANCE_EPS, derive_seed
+        from occult.sweep import placement_from_calibration
 
         spec = method_spec(method)
-        experts = self.shape.num_experts
         key = (num_devices, spec.contiguous, spec.balanced and not spec.contiguous)
         if key not in self._placements:
-            if spec.contiguous:
-                placement = torch.arange(experts) // (experts // num_devices)
-            else:
-                hits_NE = torch.zeros(self.calib_NK.shape[0], experts).scatter_(1, self.calib_NK, 1.0)
-                device_of = greedy_occult((hits_NE.t() @ hits_NE).numpy(), num_devices)
-                if key[2] and num_devices > 1:
-                    device_of = load_aware_swap(self.calib_NK.numpy(), num_devices, device_of, BALANCE_EPS, rounds=4,
-                                                seed=derive_seed(self.seed, "balanced", self.shape.name))
-                placement = torch.as_tensor([int(d) for d in device_of], dtype=torch.long)
-            self._placements[key] = placement
+            experts = self.shape.num_experts
+            self._placements[key] = (torch.arange(experts) // (experts // num_devices) if spec.contiguous else
+                                     placement_from_calibration(self.calib_NK, self.shape, num_devices, self.seed,
+                                                                key[2]))
         return self._placements[key]
 
 

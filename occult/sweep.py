@@ -493,25 +493,33 @@ def occult_placement(shape: MoEShape, router: Any, world: int, seed: int, balanc
     `balanced`: then repaired and swap-searched on the same batch so that the busiest device
     carries at most (1 + BALANCE_EPS) x the mean pairs (greedy_occult ignores load: on a skewed
     router it can put most pairs on one device)."""
-    from occult.placement import greedy_occult
-
     _, rank = world_and_rank(None)
     holder: list[Any] = [None]
     if rank == 0:
         gen = torch.Generator().manual_seed(derive_seed(seed, "calibration", shape.name))
         ids = router.calibration_ids(CALIBRATION_TOKENS, shape.top_k, gen)
-        hits_NE = torch.zeros(ids.shape[0], shape.num_experts).scatter_(1, ids, 1.0)
-        coact_EE = (hits_NE.t() @ hits_NE).numpy()
-        placement = greedy_occult(coact_EE, world)
-        if balanced and world > 1:
-            from occult.placement_extra import load_aware_swap
-
-            placement = load_aware_swap(ids.numpy(), world, placement, BALANCE_EPS, rounds=4,
-                                        seed=derive_seed(seed, "balanced", shape.name))
-        holder[0] = [int(device) for device in placement]
+        holder[0] = placement_from_calibration(ids, shape, world, seed, balanced).tolist()
     if world_and_rank(None)[0] > 1:
         dist.broadcast_object_list(holder, src=0)
     return torch.tensor(holder[0], dtype=torch.long)
+
+
+def placement_from_calibration(ids_NK: torch.Tensor, shape: MoEShape, world: int, seed: int,
+                               balanced: bool = False) -> torch.Tensor:
+    """`greedy_occult` on the co-activation of calibration routing `ids_NK`; `balanced`: then the
+    load-aware swap search to (1 + BALANCE_EPS) x the mean load (`occult_placement`; the simulator
+    places a recorded trace with it too)."""
+    from occult.placement import greedy_occult
+
+    ids_NK = torch.as_tensor(ids_NK, dtype=torch.long)
+    hits_NE = torch.zeros(ids_NK.shape[0], shape.num_experts).scatter_(1, ids_NK, 1.0)
+    placement = greedy_occult((hits_NE.t() @ hits_NE).numpy(), world)
+    if balanced and world > 1:
+        from occult.placement_extra import load_aware_swap
+
+        placement = load_aware_swap(ids_NK.numpy(), world, placement, BALANCE_EPS, rounds=4,
+                                    seed=derive_seed(seed, "balanced", shape.name))
+    return torch.tensor([int(device) for device in placement], dtype=torch.long)
 
 
 class SharedExpert(torch.nn.Module):

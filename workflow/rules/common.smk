@@ -102,17 +102,15 @@ def gpu_sweep_csvs(wildcards) -> list[str]:
     return sorted(str(p) for p in run_dir.glob("sweep_*_D*.csv"))
 
 
-def committed_quality_runs() -> list[tuple[str, str]]:
-    """(machine, version) of every committed quality-study run: results/<machine>/quality_<version>/evaluate/."""
-    return sorted({(path.parent.parent.parent.name, path.parent.parent.name.removeprefix("quality_"))
-                   for path in Path("results").glob("*/quality_*/evaluate/*.json")})
-
-
-def committed_placement_studies() -> list[tuple[str, str]]:
-    """(machine, version) of every committed placement study of a GPU run's routing sample:
-    results/<machine>/quality_<version>/placement_study/study.csv (docs/placement.md)."""
-    return sorted({(path.parent.parent.parent.name, path.parent.parent.name.removeprefix("quality_"))
-                   for path in Path("results").glob("*/quality_*/placement_study/study.csv")})
+def committed_quality_runs(holding: str = "evaluate/*.json") -> list[tuple[str, str]]:
+    """(machine, version) of every committed quality-study run results/<machine>/quality_<version>/
+    with a file matching `holding` (default: its evaluations; `placement_study/study.csv`: a placement
+    study of its routing sample, docs/placement.md)."""
+    runs = set()
+    for path in Path("results").glob(f"*/quality_*/{holding}"):
+        run_dir = path.parents[len(Path(holding).parts) - 1]
+        runs.add((run_dir.parent.name, run_dir.name.removeprefix("quality_")))
+    return sorted(runs)
 
 
 def quality_eval_jsons(wildcards) -> list[str]:
@@ -174,7 +172,7 @@ def final_outputs() -> list[str]:
         *[f"results/{m}/ep_{v}/targets.csv" for m, v in committed_ep_runs()],
         *[f"results/{m}/quality_{v}/tables/accuracy.csv" for m, v in committed_quality_runs()],
         *[f"figures/{m}/quality_{v}/accuracy.png" for m, v in committed_quality_runs()],
-        *[f"figures/{m}/quality_{v}/placement_study.png" for m, v in committed_placement_studies()],
+        *[f"figures/{m}/quality_{v}/placement_study.png" for m, v in committed_quality_runs("placement_study/study.csv")],
         f"{RESULTS}/config.yaml",
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",
