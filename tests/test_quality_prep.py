@@ -293,9 +293,23 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shard
                            capture_output=True, text=True, timeout=200)
     assert again.returncode == 0 and "finetune micro" not in again.stdout and "arms:" not in again.stdout
     assert "code tree: DIFFERS" in again.stdout and lines[0][66:] in again.stdout
+    arms = quality_arms(load_config(tmp_path / "carry" / "config.yaml"))
+    if shards:
+        # a shard that fails (as one did, out of GPU memory) leaves arms unscored: one process alone
+        # scores them in the same call, and the phase ends well
+        lost = tmp_path / "gpu-work" / MICRO["run"] / "quality_results" / "evaluate" / f"{arms[-1].name}.json"
+        lost.unlink()
+        failing = tmp_path / "failing-python"
+        failing.write_text(f'#!/bin/sh\ncase " $* " in *" --shard 1/{shards} "*) echo "shard 1: simulated failure" >&2; exit 1;; esac\n'
+                           f'exec {REPO / ".venv/bin/python"} "$@"\n')
+        failing.chmod(0o755)
+        retried = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", "evaluate"], cwd=REPO,
+                                 env={**env, "PYTHON": str(failing)}, capture_output=True, text=True, timeout=300)
+        assert retried.returncode == 0, retried.stdout[-3000:]
+        assert "simulated failure" in retried.stdout and "a shard failed (exit 1)" in retried.stdout
+        assert lost.is_file()
     with tarfile.open(tmp_path / "out" / "quality_results.tar.gz") as tar:
         names = set(tar.getnames())
-    arms = quality_arms(load_config(tmp_path / "carry" / "config.yaml"))
     assert {f"./evaluate/{a.name}.json" for a in arms} <= names
     assert {f"./finetune/{a.name}_log.csv" for a in arms if a.name != "raw"} <= names
     assert {"./model/pretrain_log.csv", "./model/router_structure.json", "./profile/profile.json",

@@ -142,6 +142,20 @@ sharded() {
     return $rc
 }
 
+# A shard that fails for another reason than the time limit (exit 3) leaves its arms undone: in
+# results/nvidia-h200/quality_upcycle_v3 one of three evaluation processes on one GPU ran out of memory
+# beside its neighbours' allocator caches. With time left, one process alone then does what is left
+# (each phase skips the arms already done, so nothing runs twice). $1: the phase's function.
+retry_alone() {
+    local rc=0
+    "$1" || rc=$?
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 3 ] && [ "$SHARDS" -gt 1 ] && [ "$(remaining)" -gt 120 ]; then
+        echo "$1: a shard failed (exit $rc); the arms left, in one process"
+        rc=0; SHARDS=1 "$1" || rc=$?
+    fi
+    return $rc
+}
+
 run_pretrain() {
     [ -d "$WORK/model/base" ] && { echo "pretrain: done already"; return 0; }
     local t0=$(date +%s) rc=0
@@ -182,20 +196,26 @@ run_variants() {
         timing place $(( $(date +%s) - t0 )); t0=$(date +%s)
     fi
     local rc=0
-    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.finetune --config "$CONFIG" --model "$WORK/model/base" \
-        --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" --out "$WORK/finetune" \
-        --logs "$RES/finetune" --step-trace "$RES/finetune/steptrace.json" --time-limit $(( $(remaining) - 60 )) || rc=$?
+    retry_alone finetune_arms || rc=$?
     timing finetune $(( $(date +%s) - t0 ))
     return $rc
+}
+finetune_arms() {
+    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.finetune --config "$CONFIG" --model "$WORK/model/base" \
+        --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" --out "$WORK/finetune" \
+        --logs "$RES/finetune" --step-trace "$RES/finetune/steptrace.json" --time-limit $(( $(remaining) - 60 ))
 }
 
 run_evaluate() {
     local t0=$(date +%s) rc=0
-    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.evaluate --config "$CONFIG" --model "$WORK/model/base" \
-        --arms "$WORK/finetune" --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" \
-        --out "$RES/evaluate" --time-limit $(( $(remaining) - 90 )) ${EVAL_LIMIT:+--limit $EVAL_LIMIT} || rc=$?
+    retry_alone evaluate_arms || rc=$?
     timing evaluate $(( $(date +%s) - t0 ))
     return $rc
+}
+evaluate_arms() {
+    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.evaluate --config "$CONFIG" --model "$WORK/model/base" \
+        --arms "$WORK/finetune" --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" \
+        --out "$RES/evaluate" --time-limit $(( $(remaining) - 90 )) ${EVAL_LIMIT:+--limit $EVAL_LIMIT}
 }
 
 case "$PHASE" in
