@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from occult.config import load_config
-    from occult.variants import cap_gpu_memory_share, parse_shard, quality_arms
+    from occult.variants import parse_shard, quality_arms
 
     parser = argparse.ArgumentParser(prog="python -m occult.finetune", description=main.__doc__)
     for flag in ("--config", "--model", "--data", "--profile", "--placements", "--out", "--logs"):
@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-json", metavar="PATH",
                         help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
-    cap_gpu_memory_share()
+    # no allocator cap here (evaluation has one): fine-tuning peaks at 34.5-39 GiB per process, so three
+    # fit an H200 uncapped (quality_upcycle_v3), while a third of it failed two full-module arms (v4)
     cfg = load_config(args.config)
     missing = finetune_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.data), Path(args.profile),
                             Path(args.placements), Path(args.out), Path(args.logs), args.time_limit, args.shard,

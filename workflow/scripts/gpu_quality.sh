@@ -123,7 +123,7 @@ sharded() {
     local pids=() rc=0 code i device devices
     local threads=${OMP_NUM_THREADS:-$(( $(nproc) / SHARDS > 0 ? $(nproc) / SHARDS : 1 ))}
     IFS=, read -r -a devices <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS - 1)))}"
-    # processes sharing one GPU: each caps its CUDA allocator at its share (cap_gpu_memory_share)
+    # processes sharing one GPU: evaluation caps its CUDA allocator at its share (cap_gpu_memory_share)
     local per_gpu=$(( (SHARDS + GPUS - 1) / GPUS ))
     for ((i = 0; i < SHARDS; i++)); do
         if [ "$SHARDS" -gt 1 ]; then
