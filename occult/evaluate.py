@@ -324,13 +324,27 @@ def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path
 def main(argv: list[str] | None = None) -> int:
     """`python -m occult.evaluate --config C --model BASE --arms ROOT --data D --profile P
     --placements DIR --out DIR [--time-limit S] [--limit N]`: every arm of the quality study.
-    `python -m occult.evaluate --summarise RESULTS --figures DIR`: its tables, verdicts and figure."""
+    `python -m occult.evaluate --summarise RESULTS --figures DIR`: its tables, verdicts and figure.
+    `python -m occult.evaluate --replicates SPEC_YAML --out CSV`: two runs of the same recipe compared."""
     import argparse
     import sys
 
     log_json_help = f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point"
     if argv is None:
         argv = sys.argv[1:]
+    if "--replicates" in argv:
+        replicate_parser = argparse.ArgumentParser(prog="python -m occult.evaluate --replicates")
+        replicate_parser.add_argument("--replicates", required=True, metavar="SPEC_YAML")
+        replicate_parser.add_argument("--out", required=True, metavar="CSV")
+        replicate_parser.add_argument("--log-json", metavar="PATH", help=log_json_help)
+        replicate_args = replicate_parser.parse_args(argv)
+        from occult.provenance import write_csv
+
+        table = replicate_table(Path(replicate_args.replicates))
+        write_csv(Path(replicate_args.out), table,
+                  provenance(None, None, stage="replicates", source=replicate_args.replicates,
+                             tasks=table.attrs["tasks"]))
+        return 0
     if "--summarise" in argv:
         summary_parser = argparse.ArgumentParser(prog="python -m occult.evaluate --summarise")
         summary_parser.add_argument("--summarise", required=True, metavar="RESULTS")
@@ -407,16 +421,16 @@ def _paper_order(row: dict) -> tuple:
             variant.method or "", row["arm"])
 
 
-def paired_difference(pairs: list[tuple[dict[str, str], dict[str, str]]], tasks: list[str]) -> tuple[float, float] | None:
-    """Mean over `pairs` of arm a's minus arm b's task-averaged accuracy, and its standard error,
-    from per-document correctness (`task_scores`). All arms answered the same documents, so the
-    error is that of the mean per-document difference d_i (averaged over the pairs): var(d) / n per
-    task. None unless every arm has every task's documents, in the same number."""
+def paired_contrast(terms: list[tuple[float, dict[str, str]]], tasks: list[str]) -> tuple[float, float] | None:
+    """sum_j w_j * (task-averaged accuracy of arm j) for `terms` = [(w_j, per-document correctness of
+    arm j)], and its standard error. All arms answered the same documents, so the error is that of
+    the mean per-document contrast c_i = sum_j w_j x_ij: var(c) / n per task, tasks independent.
+    None unless every arm has every task's documents, in the same number."""
     import numpy as np
 
-    if not pairs or not tasks:
+    if not terms or not tasks:
         return None
-    arms = [arm for pair in pairs for arm in pair]
+    arms = [arm for _, arm in terms]
     if any(t not in arm or len(arm[t]) != len(arms[0].get(t, "")) for arm in arms for t in tasks):
         return None
 
@@ -425,10 +439,19 @@ def paired_difference(pairs: list[tuple[dict[str, str], dict[str, str]]], tasks:
 
     means, variances = [], []
     for task in tasks:
-        d = np.mean([bits(a, task) - bits(b, task) for a, b in pairs], axis=0)
-        means.append(d.mean())
-        variances.append(d.var(ddof=1) / len(d) if len(d) > 1 else 0.0)
+        c = sum(weight * bits(arm, task) for weight, arm in terms)
+        means.append(c.mean())
+        variances.append(c.var(ddof=1) / len(c) if len(c) > 1 else 0.0)
     return float(np.mean(means)), float(np.sqrt(np.sum(variances)) / len(tasks))
+
+
+def paired_difference(pairs: list[tuple[dict[str, str], dict[str, str]]], tasks: list[str]) -> tuple[float, float] | None:
+    """Mean over `pairs` of arm a's minus arm b's task-averaged accuracy, and its paired standard
+    error (`paired_contrast`: the error of the mean per-document difference)."""
+    if not pairs:
+        return None
+    share = 1.0 / len(pairs)
+    return paired_contrast([(share, a) for a, _ in pairs] + [(-share, b) for _, b in pairs], tasks)
 
 
 def claim_verdicts(table: "pd.DataFrame", per_doc: dict[str, dict[str, str]] | None = None) -> list[dict]:
@@ -516,6 +539,65 @@ def _sign_verdict(comparisons: list[dict], a: str, b: str) -> str:
     return "no consistent difference beyond 2 standard errors"
 
 
+def load_per_doc(eval_dir: Path) -> dict[str, dict[str, str]]:
+    """arm -> task -> its per-document correctness ("0"/"1" per document) from `eval_dir/*.json`."""
+    per_doc = {}
+    for path in sorted(Path(eval_dir).glob("*.json")):
+        summary = json.loads(path.read_text())
+        if summary.get("per_doc"):
+            per_doc[summary.get("arm", path.stem)] = summary["per_doc"]
+    return per_doc
+
+
+def replicate_table(spec_path: Path) -> "pd.DataFrame":
+    """Two runs of the same recipe on two base models (pre-training is not bitwise reproducible on a
+    GPU): how far does the second move each arm, and each arm's difference from the reference arm?
+
+    `spec_path` (YAML, in the second run's folder): `first:` the first run's folder; `reference:` an
+    arm of the second run; `same_arms:` {first run's arm: second run's arm} for the arms that ran the
+    same recipe in both. All four arms of a change answered the same documents, so every error is
+    paired (`paired_contrast`); z = change / its error, beyond 2 meaning the base model, not the
+    test set, moved it."""
+    import pandas as pd
+    import yaml
+
+    spec_path = Path(spec_path)
+    spec = yaml.safe_load(spec_path.read_text()) or {}
+    for field in ("first", "reference", "same_arms"):
+        if field not in spec:
+            raise ValueError(f"{spec_path}: missing field '{field}'")
+    second_dir, first_dir = spec_path.parent, Path(spec["first"])
+    first, second = load_per_doc(first_dir / "evaluate"), load_per_doc(second_dir / "evaluate")
+    same = {str(a): str(b) for a, b in spec["same_arms"].items()}
+    for name, runs, where in [(a, first, first_dir) for a in same] + [(b, second, second_dir) for b in same.values()]:
+        if name not in runs:
+            raise ValueError(f"{spec_path}: same_arms names {name!r}, which {where}/evaluate has no per-document scores for")
+    reference = str(spec["reference"])
+    ref_first = next((a for a, b in same.items() if b == reference), None)
+    if ref_first is None:
+        raise ValueError(f"{spec_path}: reference {reference!r} is not a second-run arm of same_arms")
+    arms = [first[a] for a in same] + [second[b] for b in same.values()]
+    tasks = sorted(set.intersection(*(set(arm) for arm in arms)))
+
+    def row(kind: str, name: str, first_terms: list, second_terms: list) -> dict:
+        one, two = paired_contrast(first_terms, tasks), paired_contrast(second_terms, tasks)
+        change = paired_contrast(second_terms + [(-w, arm) for w, arm in first_terms], tasks)
+        pooled = paired_contrast([(w / 2, arm) for w, arm in first_terms + second_terms], tasks)
+        if None in (one, two, change, pooled):
+            raise ValueError(f"{spec_path}: {name}: the two runs did not score the same documents")
+        return {"kind": kind, "arm": name, "first": one[0], "first_stderr": one[1], "second": two[0],
+                "second_stderr": two[1], "change": change[0], "change_stderr": change[1],
+                "z": change[0] / change[1] if change[1] else float("nan"), "pooled": pooled[0],
+                "pooled_stderr": pooled[1]}
+
+    rows = [row("accuracy", b, [(1.0, first[a])], [(1.0, second[b])]) for a, b in same.items()]
+    rows += [row(f"minus {reference}", b, [(1.0, first[a]), (-1.0, first[ref_first])],
+                 [(1.0, second[b]), (-1.0, second[reference])]) for a, b in same.items() if b != reference]
+    table = pd.DataFrame(rows)
+    table.attrs["tasks"] = tasks
+    return table
+
+
 def summarise_arms(results_dir: Path, figures_dir: Path) -> None:
     """From `results_dir/evaluate/*.json` (committed GPU results): `tables/accuracy.csv` (arms x
     tasks with averages, the paper's layout), `tables/verdicts.json` and `figures_dir/accuracy.png`."""
@@ -528,11 +610,7 @@ def summarise_arms(results_dir: Path, figures_dir: Path) -> None:
 
     results_dir, figures_dir = Path(results_dir), Path(figures_dir)
     table = arms_accuracy_table(results_dir / "evaluate")
-    per_doc = {}
-    for path in sorted((results_dir / "evaluate").glob("*.json")):
-        summary = json.loads(path.read_text())
-        if summary.get("per_doc"):
-            per_doc[summary.get("arm", path.stem)] = summary["per_doc"]
+    per_doc = load_per_doc(results_dir / "evaluate")
     meta = provenance(None, None, stage="summarise", source=str(results_dir / "evaluate"))
     write_csv(results_dir / "tables" / "accuracy.csv", table, meta)
     write_json(results_dir / "tables" / "verdicts.json",
@@ -561,5 +639,6 @@ def summarise_arms(results_dir: Path, figures_dir: Path) -> None:
 if __name__ == "__main__":
     import sys
 
-    stage = "summarise_quality" if "--summarise" in sys.argv[1:] else "evaluate_arms"
+    stage = ("summarise_quality" if "--summarise" in sys.argv[1:] else
+             "quality_replicates" if "--replicates" in sys.argv[1:] else "evaluate_arms")
     raise SystemExit(run_main(stage, main, output_flags=("--out", "--figures")))

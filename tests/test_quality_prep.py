@@ -477,6 +477,63 @@ def test_ablation_verdicts_and_the_task_that_decides_a_difference(tmp_path):
     assert claim_verdicts(table)[-1]["verdict"] == "not measured"
 
 
+def test_replicate_table_pairs_two_runs_document_by_document(tmp_path):
+    """Two runs of one recipe: each arm's change between runs and the change of its difference from
+    the reference arm, with errors from the per-document contrasts of all arms involved; the same
+    numbers computed directly from the bits. Arms are matched by the spec's names, not by file name."""
+    import yaml
+
+    from occult.evaluate import replicate_table
+
+    rng = np.random.default_rng(1)
+    sizes = {"copa": 100, "piqa": 300}
+
+    def run(folder: Path, names: list[str]) -> dict:
+        (folder / "evaluate").mkdir(parents=True)
+        bits = {}
+        for name in names:
+            bits[name] = {t: rng.random(n) < rng.uniform(0.5, 0.8) for t, n in sizes.items()}
+            summary = _fake_summary(Arm("sft", 8), {t: float(v.mean()) for t, v in bits[name].items()})
+            summary["arm"], summary["per_doc"] = name, {t: _bits(v) for t, v in bits[name].items()}
+            (folder / "evaluate" / f"{name}.json").write_text(json.dumps(summary))
+        return bits
+
+    one = run(tmp_path / "v1", ["sft-moe", "prune1-sim-D8-keep-moe", "prune1-router-D8-keep-moe"])
+    two = run(tmp_path / "v2", ["sft-moe", "prune1-sim-D8-renormalise-moe"])
+    spec = {"first": str(tmp_path / "v1"), "reference": "sft-moe",
+            "same_arms": {"sft-moe": "sft-moe", "prune1-sim-D8-keep-moe": "prune1-sim-D8-renormalise-moe"}}
+    (tmp_path / "v2" / "replicate_of.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    table = replicate_table(tmp_path / "v2" / "replicate_of.yaml").set_index(["kind", "arm"])
+    assert list(table.index) == [("accuracy", "sft-moe"), ("accuracy", "prune1-sim-D8-renormalise-moe"),
+                                 ("minus sft-moe", "prune1-sim-D8-renormalise-moe")]
+
+    def direct(per_task):            # mean over tasks of the per-document contrast, and its error
+        means = [c.mean() for c in per_task.values()]
+        return np.mean(means), np.sqrt(sum(c.var(ddof=1) / len(c) for c in per_task.values())) / len(per_task)
+
+    f = lambda bits, t: bits[t].astype(float)      # noqa: E731
+    did = {t: (f(two["prune1-sim-D8-renormalise-moe"], t) - f(two["sft-moe"], t))
+           - (f(one["prune1-sim-D8-keep-moe"], t) - f(one["sft-moe"], t)) for t in sizes}
+    row = table.loc[("minus sft-moe", "prune1-sim-D8-renormalise-moe")]
+    assert (row["change"], row["change_stderr"]) == pytest.approx(direct(did))
+    assert row["z"] == pytest.approx(row["change"] / row["change_stderr"])
+    assert row["first"] == pytest.approx(direct({t: f(one["prune1-sim-D8-keep-moe"], t) - f(one["sft-moe"], t)
+                                                 for t in sizes})[0])
+    pooled = {t: (f(two["prune1-sim-D8-renormalise-moe"], t) - f(two["sft-moe"], t)
+                  + f(one["prune1-sim-D8-keep-moe"], t) - f(one["sft-moe"], t)) / 2 for t in sizes}
+    assert (row["pooled"], row["pooled_stderr"]) == pytest.approx(direct(pooled))
+    acc = table.loc[("accuracy", "sft-moe")]
+    assert acc["change"] == pytest.approx(direct({t: f(two["sft-moe"], t) - f(one["sft-moe"], t) for t in sizes})[0])
+    # a spec naming an arm a run did not score, or missing a field: one error naming the file and the arm
+    spec["same_arms"]["prune2-sim-D8-keep-moe"] = "prune2-sim-D8-renormalise-moe"
+    (tmp_path / "v2" / "replicate_of.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    with pytest.raises(ValueError, match="replicate_of.yaml.*prune2-sim-D8-keep-moe"):
+        replicate_table(tmp_path / "v2" / "replicate_of.yaml")
+    (tmp_path / "v2" / "replicate_of.yaml").write_text(yaml.safe_dump({"first": spec["first"]}))
+    with pytest.raises(ValueError, match="'reference'"):
+        replicate_table(tmp_path / "v2" / "replicate_of.yaml")
+
+
 def test_processes_sharing_a_gpu_cap_their_allocator(monkeypatch):
     from occult.variants import cap_gpu_memory_share
 

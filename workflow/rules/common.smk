@@ -2,6 +2,7 @@
 import json
 from pathlib import Path
 
+import yaml
 from snakemake.exceptions import WorkflowError
 
 from occult.config import ConfigError, load_config
@@ -118,6 +119,13 @@ def quality_eval_jsons(wildcards) -> list[str]:
     return sorted(str(p) for p in (run_dir / "evaluate").glob("*.json"))
 
 
+def replicate_inputs(wildcards) -> dict[str, list[str] | str]:
+    """A run's replicate_of.yaml and the evaluations of both runs it pairs (docs/quality.md)."""
+    spec = Path("results") / wildcards.machine / f"quality_{wildcards.version}" / "replicate_of.yaml"
+    first = Path((yaml.safe_load(spec.read_text()) or {}).get("first", spec.parent))
+    return {"spec": str(spec), "scores": sorted(str(p) for d in (spec.parent, first) for p in (d / "evaluate").glob("*.json"))}
+
+
 def quality_run_dir(wildcards, input) -> str:
     return str(Path(input.scores[0]).parent.parent)
 
@@ -173,6 +181,7 @@ def final_outputs() -> list[str]:
         *[f"results/{m}/quality_{v}/tables/accuracy.csv" for m, v in committed_quality_runs()],
         *[f"figures/{m}/quality_{v}/accuracy.png" for m, v in committed_quality_runs()],
         *[f"figures/{m}/quality_{v}/placement_study.png" for m, v in committed_quality_runs("placement_study/study.csv")],
+        *[f"results/{m}/quality_{v}/tables/replicates.csv" for m, v in committed_quality_runs("replicate_of.yaml")],
         f"{RESULTS}/config.yaml",
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",

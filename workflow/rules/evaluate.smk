@@ -66,3 +66,29 @@ rule plot_quality:
     shell:
         "python -m occult.evaluate --summarise {params.run_dir} --figures {params.figures}"
         " --log-json {log.json} > {log.text} 2>&1"
+
+
+# Two committed runs of one recipe on two base models, paired document by document: how far the base
+# model moves each arm and each difference from the reference arm (docs/quality.md); CPU only.
+rule quality_replicates:
+    input:
+        unpack(replicate_inputs),
+    output:
+        table="results/{machine}/quality_{version}/tables/replicates.csv",
+    log:
+        text="logs/quality_replicates/{machine}_{version}.log",
+        json="logs/quality_replicates/{machine}_{version}.jsonl",
+    benchmark:
+        "benchmarks/quality_replicates/{machine}_{version}.tsv"
+    wildcard_constraints:
+        machine="[^/]+",
+        version="[^/]+",
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python -m occult.evaluate --replicates {input.spec} --out {output.table}"
+        " --log-json {log.json} > {log.text} 2>&1"
