@@ -89,6 +89,7 @@ class FinetuneConfig:
     batch_size: int
     seq_len: int
     lr: float
+    quality_grid: bool = False          # also every arm of occult.variants.quality_arms (presets mini, upcycle)
 
 
 @dataclass(frozen=True)

@@ -175,6 +175,7 @@ def final_outputs() -> list[str]:
         f"{RESULTS}/placement/study.csv",
         *[f"{RESULTS}/finetune/{v}_log.csv" for v in VARIANTS if v != "raw"],
         *[f"{RESULTS}/evaluate/{v}.json" for v in VARIANTS],
+        *([f"{RESULTS}/quality/tables/accuracy.csv", f"{FIGURES}/quality/accuracy.png"] if CFG.finetune.quality_grid else []),
         f"{RESULTS}/bench/ep_cpu.csv",
         *[f"results/{m}/sweeps_{v}/speedups.csv" for m, v in committed_sweep_runs()],
         *[f"results/{m}/ep_{v}/targets.csv" for m, v in committed_ep_runs()],

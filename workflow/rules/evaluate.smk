@@ -92,3 +92,66 @@ rule quality_replicates:
     shell:
         "python -m occult.evaluate --replicates {input.spec} --out {output.table}"
         " --log-json {log.json} > {log.text} 2>&1"
+
+
+# lm-eval on every arm of the quality grid (rule finetune_quality_arms), then its tables, verdicts
+# and figure, laid out as for a committed GPU run (rule plot_quality).
+rule evaluate_quality_arms:
+    input:
+        arms=rules.finetune_quality_arms.output.arms,
+        model=f"{WORK}/model/base",
+        manifest=rules.build_data.output.manifest,
+        profile=rules.profile_coactivation.output.profile,
+        placements=PLACEMENT_FILES,
+    output:
+        scores=directory(f"{RESULTS}/quality/evaluate"),
+    params:
+        config=RESOLVED_CONFIG,
+        settings=settings("evaluate", "finetune", "data"),
+        data=data_dir,
+        profile=profile_dir,
+        placements=placement_dir,
+    log:
+        text=f"logs/evaluate_quality_arms/{RUN}.log",
+        json=f"logs/evaluate_quality_arms/{RUN}.jsonl",
+    benchmark:
+        f"benchmarks/evaluate_quality_arms/{RUN}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 2
+    resources:
+        mem_mb=32000,
+        runtime=240,
+        gpus=0,             # the gpu and slurm profiles give it one
+    shell:
+        "python -m occult.evaluate --config {params.config} --model {input.model} --arms {input.arms}"
+        " --data {params.data} --profile {params.profile} --placements {params.placements}"
+        " --out {output.scores} --log-json {log.json} 2>&1 | tee {log.text}"
+
+
+rule summarise_quality_arms:
+    input:
+        scores=rules.evaluate_quality_arms.output.scores,
+    output:
+        accuracy=report(
+            f"{RESULTS}/quality/tables/accuracy.csv", category="Quality study", caption="../report/accuracy.rst"
+        ),
+        verdicts=f"{RESULTS}/quality/tables/verdicts.json",
+        figure=report(f"{FIGURES}/quality/accuracy.png", category="Quality study", caption="../report/accuracy.rst"),
+    params:
+        run_dir=f"{RESULTS}/quality",
+        figures=f"{FIGURES}/quality",
+    log:
+        text=f"logs/summarise_quality_arms/{RUN}.log",
+        json=f"logs/summarise_quality_arms/{RUN}.jsonl",
+    benchmark:
+        f"benchmarks/summarise_quality_arms/{RUN}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python -m occult.evaluate --summarise {params.run_dir} --figures {params.figures}"
+        " --log-json {log.json} > {log.text} 2>&1"

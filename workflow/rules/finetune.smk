@@ -30,3 +30,40 @@ rule finetune_variant:
         " --model {input.model} --data {params.data} --profile {params.profile}"
         " --placements {params.placements} --out {output.model} --log {output.loss}"
         " --log-json {log.json} 2>&1 | tee {log.text}"
+
+
+# The quality study's whole grid (occult.variants.quality_arms: every D of the study, the gate
+# ablation, full fine-tuning) where finetune.quality_grid is set (presets mini and upcycle): every
+# arm in one job, data encoded once and arms already saved skipped, as gpu_quality.sh runs it on
+# the lent GPUs (docs/quality.md).
+rule finetune_quality_arms:
+    input:
+        model=f"{WORK}/model/base",
+        manifest=rules.build_data.output.manifest,
+        profile=rules.profile_coactivation.output.profile,
+        placements=PLACEMENT_FILES,
+    output:
+        arms=directory(f"{WORK}/quality/finetune"),
+        logs=directory(f"{RESULTS}/quality/finetune"),
+    params:
+        config=RESOLVED_CONFIG,
+        settings=settings("finetune", "seed"),
+        data=data_dir,
+        profile=profile_dir,
+        placements=placement_dir,
+    log:
+        text=f"logs/finetune_quality_arms/{RUN}.log",
+        json=f"logs/finetune_quality_arms/{RUN}.jsonl",
+    benchmark:
+        f"benchmarks/finetune_quality_arms/{RUN}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 2
+    resources:
+        mem_mb=32000,
+        runtime=240,
+        gpus=0,             # the gpu and slurm profiles give it one
+    shell:
+        "python -m occult.finetune --config {params.config} --model {input.model} --data {params.data}"
+        " --profile {params.profile} --placements {params.placements} --out {output.arms}"
+        " --logs {output.logs} --log-json {log.json} 2>&1 | tee {log.text}"
