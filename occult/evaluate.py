@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from occult.config import Config, parse_variant
+from occult.evaltasks import NOT_AVAILABLE, UNAVAILABLE_TASKS
 from occult.logs import ENV_LOG_JSON, Progress, log_event, progress, run_main
 from occult.provenance import provenance, seed_everything, write_json
 
@@ -384,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def arms_accuracy_table(eval_dir: Path) -> "pd.DataFrame":
     """One row per scored arm (file order of `quality_arms`-named JSONs): setting columns, `acc` and
-    `acc_stderr` per task, `average` (unweighted over tasks) and its stderr (tasks independent)."""
+    `acc_stderr` per task, `average` (unweighted over tasks) and its stderr (tasks independent),
+    a chance row, and a column per benchmark of the paper that the offline data lacks
+    (`UNAVAILABLE_TASKS`), reading "not available offline"."""
     import math
 
     import pandas as pd
@@ -410,7 +413,10 @@ def arms_accuracy_table(eval_dir: Path) -> "pd.DataFrame":
     rows.sort(key=_paper_order)
     chance = {s["task"]: s["chance"] for s in json.loads(next(Path(eval_dir).glob("*.json")).read_text())["scores"]}
     rows.append({"arm": "chance", "variant": "chance", **chance, "average": sum(chance.values()) / len(chance)})
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    for task in UNAVAILABLE_TASKS:           # the paper's other benchmarks: said, not substituted
+        table[task] = NOT_AVAILABLE
+    return table
 
 
 def _paper_order(row: dict) -> tuple:
@@ -629,6 +635,7 @@ def summarise_arms(results_dir: Path, figures_dir: Path) -> None:
         ax.hlines(chance[task], t - 0.1, t + 0.9, colors="black", linestyles="dotted")
     ax.set_xticks([t + 0.4 for t in range(len(tasks) + 1)], tasks + ["average"], rotation=30, ha="right")
     ax.set_ylabel("accuracy (dotted: chance)")
+    ax.set_title(f"{', '.join(UNAVAILABLE_TASKS)}: {NOT_AVAILABLE}, not substituted", fontsize=8, loc="left")
     ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     with atomic_path(figures_dir / "accuracy.png") as tmp:
