@@ -356,6 +356,24 @@ def test_pack_refuses_a_corpus_pretraining_would_repeat_too_often(tmp_path):
     assert run.returncode != 0 and "MAX_EPOCHS" in run.stderr
 
 
+def test_pack_seed_makes_a_second_base_model_of_the_same_recipe(tmp_path):
+    """PACK_SEED=N packs the preset with seed N under its own run name; anything else is refused."""
+    preset = tmp_path / "micro.yaml"
+    preset.write_text(yaml.safe_dump(MICRO))
+    env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python"),
+           "PACK_SEED": "3"}
+    run = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    packed = yaml.safe_load((tmp_path / "carry" / "config.yaml").read_text())
+    assert packed["seed"] == 3 and packed["run"] == f"{MICRO['run']}-seed3"
+    assert packed["finetune"] == merge(BASE, MICRO)["finetune"]              # the recipe itself is unchanged
+    assert (tmp_path / "work" / f"{MICRO['run']}-seed3" / "data" / "manifest.json").is_file()
+    bad = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry2")],
+                         cwd=REPO, env={**env, "PACK_SEED": "one"}, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "PACK_SEED='one'" in bad.stderr and not (tmp_path / "carry2" / "config.yaml").exists()
+
+
 def _fake_summary(arm: Arm, accs: dict[str, float]) -> dict:
     return {"variant": arm.variant, "arm": arm.name,
             "setting": {"devices": arm.devices, "gate_weights": arm.gate_weights, "train_modules": arm.train_modules},

@@ -13,7 +13,9 @@
 #   env: PYTHON (default .venv/bin/python), WHEELS=0 to skip the wheels (tests),
 #        PACK_LIMIT_MIB (default 55: the carry plus the repository must stay under 64 MiB),
 #        WORK_ROOT (default work: where the data stage writes),
-#        MAX_EPOCHS (default 6: refuse a corpus that pre-training would repeat more often)
+#        MAX_EPOCHS (default 6: refuse a corpus that pre-training would repeat more often),
+#        PACK_SEED (default: the preset's seed): another seed for the whole recipe (data order,
+#        pre-training, fine-tuning), run "<run>-seed<N>": a second base model of the same recipe
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 PRESET=${1:-config/presets/mini.yaml}
@@ -25,13 +27,17 @@ WHEEL_PACKAGES="lm_eval datasets dill multiprocess jsonschema jsonschema-specifi
 mkdir -p "$DEST"
 
 echo "== resolved config ($PRESET over config/config.yaml)" >&2
-"$PY" - "$PRESET" "$DEST/config.yaml" <<'PYEOF'
+"$PY" - "$PRESET" "$DEST/config.yaml" "${PACK_SEED:-}" <<'PYEOF'
 import sys
 from pathlib import Path
 import yaml
 from occult.config import load_config, merge
-preset, dest = sys.argv[1], Path(sys.argv[2])
+preset, dest, seed = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
 raw = merge(yaml.safe_load(Path("config/config.yaml").read_text()), yaml.safe_load(Path(preset).read_text()) or {})
+if seed:
+    if not seed.isdigit():
+        sys.exit(f"pack_quality: PACK_SEED={seed!r}: expected a whole number >= 0")
+    raw["seed"], raw["run"] = int(seed), f"{raw['run']}-seed{int(seed)}"
 cfg = load_config(raw)                       # validates; one clear error otherwise
 text = yaml.safe_dump(cfg.raw, sort_keys=False)
 if not dest.exists() or dest.read_text() != text:
