@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         replicate_parser = argparse.ArgumentParser(prog="python -m occult.evaluate --replicates")
         replicate_parser.add_argument("--replicates", required=True, metavar="SPEC_YAML")
         replicate_parser.add_argument("--out", required=True, metavar="CSV")
+        replicate_parser.add_argument("--figure", metavar="PNG", help="also plot both runs side by side here")
         replicate_parser.add_argument("--log-json", metavar="PATH", help=log_json_help)
         replicate_args = replicate_parser.parse_args(argv)
         from occult.provenance import write_csv
@@ -345,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         write_csv(Path(replicate_args.out), table,
                   provenance(None, None, stage="replicates", source=replicate_args.replicates,
                              tasks=table.attrs["tasks"]))
+        if replicate_args.figure:
+            plot_replicates(table, Path(replicate_args.figure))
         return 0
     if "--summarise" in argv:
         summary_parser = argparse.ArgumentParser(prog="python -m occult.evaluate --summarise")
@@ -602,6 +605,41 @@ def replicate_table(spec_path: Path) -> "pd.DataFrame":
     table = pd.DataFrame(rows)
     table.attrs["tasks"] = tasks
     return table
+
+
+def plot_replicates(table: "pd.DataFrame", path: Path) -> None:
+    """Each run's value beside the other's, with paired 2-standard-error bars: the arms' accuracies
+    (left) and their differences from the reference arm (right), one row of `replicate_table` each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from occult.provenance import atomic_path
+
+    kinds = list(dict.fromkeys(table["kind"]))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.5 * len(kinds), 4), squeeze=False)
+    for ax, kind in zip(axes[0], kinds):
+        rows = table[table["kind"] == kind].reset_index(drop=True)
+        for offset, run, color in ((-0.15, "first", "tab:blue"), (0.15, "second", "tab:orange")):
+            ax.errorbar(rows.index + offset, 100 * rows[run], yerr=200 * rows[f"{run}_stderr"], fmt="o",
+                        color=color, capsize=3, label=f"{run} run")
+        for i, row in rows.iterrows():      # above both error bars
+            top = 100 * max(row["first"] + 2 * row["first_stderr"], row["second"] + 2 * row["second_stderr"])
+            ax.annotate(f"z {row['z'] + 0.0:+.1f}", (i, top), textcoords="offset points", xytext=(0, 4),
+                        ha="center", fontsize=7)
+        if kind != "accuracy":
+            ax.axhline(0.0, color="black", linewidth=0.8, linestyle="dotted")
+        ax.set_xticks(rows.index, rows["arm"], rotation=25, ha="right", fontsize=7)
+        ax.set_ylabel("task-averaged accuracy, %" if kind == "accuracy" else f"{kind}, points")
+        ax.set_title(kind, fontsize=9)
+        ax.margins(y=0.15)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("one recipe, two base models: bars are 2 paired standard errors; z = change / its error", fontsize=9)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)
 
 
 def summarise_arms(results_dir: Path, figures_dir: Path) -> None:

@@ -542,6 +542,10 @@ def test_replicate_table_pairs_two_runs_document_by_document(tmp_path):
     pooled = {t: (f(two["prune1-sim-D8-renormalise-moe"], t) - f(two["sft-moe"], t)
                   + f(one["prune1-sim-D8-keep-moe"], t) - f(one["sft-moe"], t)) / 2 for t in sizes}
     assert (row["pooled"], row["pooled_stderr"]) == pytest.approx(direct(pooled))
+    from occult.evaluate import plot_replicates
+
+    plot_replicates(table.reset_index(), tmp_path / "replicates.png")
+    assert (tmp_path / "replicates.png").stat().st_size > 1000
     acc = table.loc[("accuracy", "sft-moe")]
     assert acc["change"] == pytest.approx(direct({t: f(two["sft-moe"], t) - f(one["sft-moe"], t) for t in sizes})[0])
     # a spec naming an arm a run did not score, or missing a field: one error naming the file and the arm

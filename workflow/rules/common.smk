@@ -183,6 +183,7 @@ def final_outputs() -> list[str]:
         *[f"figures/{m}/quality_{v}/accuracy.png" for m, v in committed_quality_runs()],
         *[f"figures/{m}/quality_{v}/placement_study.png" for m, v in committed_quality_runs("placement_study/study.csv")],
         *[f"results/{m}/quality_{v}/tables/replicates.csv" for m, v in committed_quality_runs("replicate_of.yaml")],
+        *[f"figures/{m}/quality_{v}/replicates.png" for m, v in committed_quality_runs("replicate_of.yaml")],
         f"{RESULTS}/config.yaml",
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",

@@ -75,6 +75,11 @@ rule quality_replicates:
         unpack(replicate_inputs),
     output:
         table="results/{machine}/quality_{version}/tables/replicates.csv",
+        figure=report(
+            "figures/{machine}/quality_{version}/replicates.png",
+            category="Quality study (GPU)",
+            caption="../report/replicates.rst",
+        ),
     log:
         text="logs/quality_replicates/{machine}_{version}.log",
         json="logs/quality_replicates/{machine}_{version}.jsonl",
@@ -90,7 +95,7 @@ rule quality_replicates:
         mem_mb=2000,
         runtime=10,
     shell:
-        "python -m occult.evaluate --replicates {input.spec} --out {output.table}"
+        "python -m occult.evaluate --replicates {input.spec} --out {output.table} --figure {output.figure}"
         " --log-json {log.json} > {log.text} 2>&1"
 
 
