@@ -566,7 +566,7 @@ def replicate_table(spec_path: Path) -> "pd.DataFrame":
     arm of the second run; `same_arms:` {first run's arm: second run's arm} for the arms that ran the
     same recipe in both. All four arms of a change answered the same documents, so every error is
     paired (`paired_contrast`); z = change / its error, beyond 2 meaning the base model, not the
-    test set, moved it."""
+    test set, moved it. Accuracy rows also give the runs' document agreement (`document_agreement`)."""
     import pandas as pd
     import yaml
 
@@ -599,12 +599,27 @@ def replicate_table(spec_path: Path) -> "pd.DataFrame":
                 "z": change[0] / change[1] if change[1] else float("nan"), "pooled": pooled[0],
                 "pooled_stderr": pooled[1]}
 
-    rows = [row("accuracy", b, [(1.0, first[a])], [(1.0, second[b])]) for a, b in same.items()]
+    rows = [{**row("accuracy", b, [(1.0, first[a])], [(1.0, second[b])]), **document_agreement(first[a], second[b], tasks)}
+            for a, b in same.items()]
     rows += [row(f"minus {reference}", b, [(1.0, first[a]), (-1.0, first[ref_first])],
                  [(1.0, second[b]), (-1.0, second[reference])]) for a, b in same.items() if b != reference]
     table = pd.DataFrame(rows)
     table.attrs["tasks"] = tasks
     return table
+
+
+def document_agreement(a: dict[str, str], b: dict[str, str], tasks: list[str]) -> dict[str, float]:
+    """Share of documents two arms answer alike (both right or both wrong), mean over `tasks`, and
+    the share expected of independent answers at the same accuracies: far above it, the two
+    per-document records are aligned (the same documents in the same order)."""
+    import numpy as np
+
+    same, independent = [], []
+    for task in tasks:
+        x, y = (np.frombuffer(arm[task].encode(), dtype=np.uint8) == ord("1") for arm in (a, b))
+        same.append(float(np.mean(x == y)))
+        independent.append(float(x.mean() * y.mean() + (1 - x.mean()) * (1 - y.mean())))
+    return {"agreement": float(np.mean(same)), "agreement_if_independent": float(np.mean(independent))}
 
 
 def plot_replicates(table: "pd.DataFrame", path: Path) -> None:

@@ -547,6 +547,10 @@ def test_replicate_table_pairs_two_runs_document_by_document(tmp_path):
     plot_replicates(table.reset_index(), tmp_path / "replicates.png")
     assert (tmp_path / "replicates.png").stat().st_size > 1000
     acc = table.loc[("accuracy", "sft-moe")]
+    a, b = one["sft-moe"], two["sft-moe"]
+    assert acc["agreement"] == pytest.approx(np.mean([np.mean(a[t] == b[t]) for t in sizes]))
+    assert acc["agreement_if_independent"] == pytest.approx(np.mean(
+        [a[t].mean() * b[t].mean() + (1 - a[t].mean()) * (1 - b[t].mean()) for t in sizes]))
     assert acc["change"] == pytest.approx(direct({t: f(two["sft-moe"], t) - f(one["sft-moe"], t) for t in sizes})[0])
     # a spec naming an arm a run did not score, or missing a field: one error naming the file and the arm
     spec["same_arms"]["prune2-sim-D8-keep-moe"] = "prune2-sim-D8-renormalise-moe"

@@ -201,9 +201,11 @@ run_variants() {
     return $rc
 }
 finetune_arms() {
+    local trace=()      # profile steps once: not again in a resumed call or in retry_alone's process
+    [ -f "$RES/finetune/steptrace.json" ] || trace=(--step-trace "$RES/finetune/steptrace.json")
     sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.finetune --config "$CONFIG" --model "$WORK/model/base" \
         --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" --out "$WORK/finetune" \
-        --logs "$RES/finetune" --step-trace "$RES/finetune/steptrace.json" --time-limit $(( $(remaining) - 60 ))
+        --logs "$RES/finetune" "${trace[@]}" --time-limit $(( $(remaining) - 60 ))
 }
 
 run_evaluate() {
