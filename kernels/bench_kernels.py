@@ -40,7 +40,7 @@ from occult.provenance import atomic_path, git_commit, provenance, seed_everythi
 
 from .combine import combine
 from .grouped_down_reduce import grouped_down_reduce
-from .grouped_swiglu import grouped_swiglu
+from .grouped_swiglu import grouped_swiglu, tma_disabled
 from .reference import combine_ref, grouped_down_reduce_ref, grouped_swiglu_ref
 
 REL_ERR_LIMIT = 1e-2
@@ -156,10 +156,61 @@ def swiglu_materialized(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD):
         module.SWIGLU_BWD_MODE = saved
 
 
+def with_pointer_operands(op: Callable) -> Callable:
+    """`op` with the forward GEMMs loading weights (and h) through pointers, not tensor
+    descriptors: the A/B of the TMA operands in the same run."""
+    def run(*args):
+        with tma_disabled():
+            return op(*args)
+    return run
+
+
+# Ceilings: not the op. The same GEMM FLOPs without what makes the op hard: `grouped_mm_sorted`
+# reads rows already in expert order (no gather) and returns per-pair rows (no reduction);
+# `dense_mm` also gives every pair expert 0's weights (one cuBLAS GEMM). Forward only.
+_SORTED_ROWS: dict = {}
+
+
+def _rows_in_expert_order(x_RD: torch.Tensor, pair_row_M: torch.Tensor) -> torch.Tensor:
+    """x[pair_row] made once per input (outside the timed call)."""
+    key = (x_RD.data_ptr(), x_RD._version, pair_row_M.data_ptr(), tuple(x_RD.shape), pair_row_M.numel())
+    if key not in _SORTED_ROWS:
+        _SORTED_ROWS.clear()
+        _SORTED_ROWS[key] = x_RD.detach()[pair_row_M]
+    return _SORTED_ROWS[key]
+
+
+def swiglu_grouped_mm_sorted(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD):
+    ffn = w_gate_up_E2FD.shape[1] // 2
+    gate_up = torch._grouped_mm(_rows_in_expert_order(x_RD, pair_row_M), w_gate_up_E2FD.transpose(1, 2),
+                                offs=expert_offsets[1:].to(torch.int32))
+    return F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
+
+
+def swiglu_dense_mm(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD):
+    ffn = w_gate_up_E2FD.shape[1] // 2
+    gate_up = _rows_in_expert_order(x_RD, pair_row_M) @ w_gate_up_E2FD[0].T
+    return F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
+
+
+def down_grouped_mm_sorted(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows):
+    y_MD = torch._grouped_mm(h_MF, w_down_EDF.transpose(1, 2), offs=expert_offsets[1:].to(torch.int32))
+    return y_MD * pair_gate_M.to(y_MD.dtype)[:, None]
+
+
+def down_dense_mm(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows):
+    return (h_MF @ w_down_EDF[0].T) * pair_gate_M.to(h_MF.dtype)[:, None]
+
+
 SWIGLU_IMPLS = {"triton": grouped_swiglu, "triton_materialized": swiglu_materialized,
-                "reference": grouped_swiglu_ref, "grouped_mm": swiglu_grouped_mm}
+                "triton_pointers": with_pointer_operands(grouped_swiglu),
+                "reference": grouped_swiglu_ref, "grouped_mm": swiglu_grouped_mm,
+                "grouped_mm_sorted": swiglu_grouped_mm_sorted, "dense_mm": swiglu_dense_mm}
 DOWN_IMPLS = {"triton": grouped_down_reduce, "triton_materialized": grouped_down_reduce,
-              "reference": grouped_down_reduce_ref, "grouped_mm": down_reduce_grouped_mm}
+              "triton_pointers": with_pointer_operands(grouped_down_reduce),
+              "reference": grouped_down_reduce_ref, "grouped_mm": down_reduce_grouped_mm,
+              "grouped_mm_sorted": down_grouped_mm_sorted, "dense_mm": down_dense_mm}
+FORWARD_ONLY_IMPLS = ("grouped_mm_sorted", "dense_mm")
 COMBINE_IMPLS = {"triton": combine, "reference": combine_ref}
 
 
@@ -254,7 +305,7 @@ def time_ms(fn: Callable[[], object], on_gpu: bool, warmup_ms: int, rep_ms: int)
 def bench_case(case: Case, on_gpu: bool, warmup_ms: int, rep_ms: int) -> list[dict]:
     rows = []
     for impl in case.impls:
-        for pass_name in ("fwd", "fwd+bwd"):
+        for pass_name in ("fwd",) if impl in FORWARD_ONLY_IMPLS else ("fwd", "fwd+bwd"):
             if pass_name == "fwd":
                 def fn(impl=impl):
                     with torch.no_grad():
@@ -281,6 +332,14 @@ def bench_case(case: Case, on_gpu: bool, warmup_ms: int, rep_ms: int) -> list[di
                 "error": error,
             })
     return rows
+
+
+def dense_peak(warmup_ms: int, rep_ms: int, size: int = 8192) -> dict:
+    """The bf16 dense matmul rate of this GPU (cuBLAS, size³): what "% of peak" divides by."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    median, low, high = time_ms(lambda: a @ b, True, warmup_ms, rep_ms)
+    return {"median_ms": median, "p20_ms": low, "p80_ms": high, "tflops": 2.0 * size**3 / (median * 1e-3) / 1e12,
+            "gbps": 3 * size * size * 2 / (median * 1e-3) / 1e9, "error": "", "rel_err_vs_fp32": float("nan")}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,6 +419,12 @@ def main(argv: list[str] | None = None) -> int:
             for row in bench_case(case, on_gpu, args.warmup_ms, args.rep_ms):
                 row["rel_err_vs_fp32"] = errors.get(row["impl"], float("nan"))
                 results.append({**workload_cols, **row, **meta})
+    if on_gpu:   # the denominator of "% of peak", measured in the same run
+        results.append({"op": "matmul_8192", "impl": "cublas", "pass": "fwd", **dense_peak(args.warmup_ms, args.rep_ms),
+                        **meta})
+        peak = results[-1]["tflops"]
+        for row in results:
+            row["pct_of_peak"] = 100.0 * row["tflops"] / peak
     frame = pd.DataFrame(results)
     if args.out.exists():
         frame = pd.concat([pd.read_csv(args.out), frame], ignore_index=True)
@@ -367,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         frame.to_csv(tmp, index=False, float_format="%.6g")
     write_json(Path(str(args.out) + ".meta.json"), provenance(None, args.seed, bench_args=vars(args)))
     table = pd.DataFrame(results).pivot_table(index=["routing", "op", "pass"], columns="impl", values="median_ms")
+    if on_gpu:
+        print(f"bf16 dense peak (cuBLAS 8192^3): {peak:.0f} TFLOP/s; % of it, forward:")
+        forward = pd.DataFrame(results).query("`pass` == 'fwd' and op != 'matmul_8192' and op != 'combine'")
+        print(forward.pivot_table(index=["routing", "op"], columns="impl", values="pct_of_peak")
+              .to_string(float_format=lambda v: f"{v:.1f}"))
     print(f"\nmedian ms ({meta['gpu']}, {meta['dtype']}, torch {meta['torch']}, triton {meta['triton']}); "
           f"rows appended to {args.out}")
     print(table.to_string(float_format=lambda v: f"{v:.3f}"))

@@ -51,6 +51,7 @@ from .grouped_swiglu import (
     launch_gemm,
     m_tile_bound,
     swizzle_tiles,
+    use_tma,
 )
 
 
@@ -64,7 +65,7 @@ def _down_fwd_kernel(
     h_ptr, gate_ptr, offsets_ptr, w_ptr, yp_ptr, row_ptr,
     M, D, F, num_experts,
     stride_hm, stride_hf, stride_gm, stride_we, stride_wd, stride_wf, stride_ym, stride_yd,
-    SCATTER_ROWS: tl.constexpr,
+    SCATTER_ROWS: tl.constexpr, TMA: tl.constexpr,
     PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -78,22 +79,39 @@ def _down_fwd_kernel(
     offs_m64 = offs_m.to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + offs_m64[:, None] * stride_hm + offs_k[None, :] * stride_hf
-    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wd + offs_k[:, None] * stride_wf
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, F, BLOCK_K):
-        mask_k = offs_k < F - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_hf
-        b_ptrs += BLOCK_K * stride_wf
+    if TMA:
+        # h [M, F] and Wd viewed as [E*D, F]: rows past the expert's pairs (or its D rows) belong
+        # to the next expert and land in masked-out outputs; reads past the tensors are zeros.
+        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, F], strides=[stride_hm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * D, F], strides=[stride_wd, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        w_row = expert * D + pid_n * BLOCK_N
+        for k0 in range(0, F, BLOCK_K):
+            acc = tl.dot(h_desc.load([start.to(tl.int32), k0]), w_desc.load([w_row, k0]).T, acc, input_precision=PRECISION)
+    else:
+        # Rows past the tile's end read (valid) row end-1, columns past D column D-1; neither is
+        # stored, so full K blocks load without a mask.
+        offs_k = tl.arange(0, BLOCK_K)
+        rows_ld = tl.minimum(offs_m, end - 1).to(tl.int64)
+        cols = tl.where(mask_n, offs_n, D - 1)
+        a_ptrs = h_ptr + rows_ld[:, None] * stride_hm + offs_k[None, :] * stride_hf
+        b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wd + offs_k[:, None] * stride_wf
+        k_full = F - F % BLOCK_K
+        for k0 in range(0, k_full, BLOCK_K):
+            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_hf
+            b_ptrs += BLOCK_K * stride_wf
+        if k_full < F:
+            mask_k = offs_k < F - k_full
+            acc = tl.dot(tl.load(a_ptrs, mask=mask_k[None, :], other=0.0),
+                         tl.load(b_ptrs, mask=mask_k[:, None], other=0.0), acc, input_precision=PRECISION)
     gate = tl.load(gate_ptr + offs_m64 * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
     acc = acc * gate[:, None]
     if SCATTER_ROWS:   # one pair per row: write the row itself, in the output dtype
         out_m = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    else:              # the pair's own fp32 row, reduced afterwards
+    else:              # the pair's own row, reduced afterwards
         out_m = offs_m64
     tl.store(yp_ptr + out_m[:, None] * stride_ym + offs_n[None, :] * stride_yd, acc.to(yp_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
@@ -178,7 +196,7 @@ def _down_bwd_dw_kernel(
              acc.to(dw_ptr.dtype.element_ty), mask=mask_d[:, None] & mask_f[None, :])
 
 
-_down_fwd_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F"])(_down_fwd_kernel)
+_down_fwd_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F", "TMA"])(_down_fwd_kernel)
 # The autotuner runs every config on the same buffers: zero the partials between runs so rows of
 # F blocks that the chosen config does not have are not left over from another config.
 _down_bwd_dh_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F"], reset_to_zero=["dgp_ptr"])(
@@ -244,8 +262,8 @@ def grouped_down_reduce_forward(
         num_pairs, hidden, ffn, num_experts,
         *h_MF.stride(), *pair_gate_M.stride(), *w_down_EDF.stride(), *yp_MD.stride(),
     )
-    consts = dict(SCATTER_ROWS=scatter_rows, PRECISION=dot_precision(h_MF.dtype), GROUP_SIZE=GROUP_M,
-                  EXPERTS_P2=triton.next_power_of_2(num_experts))
+    consts = dict(SCATTER_ROWS=scatter_rows, TMA=use_tma(h_MF, w_down_EDF), PRECISION=dot_precision(h_MF.dtype),
+                  GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
 
     def grid(meta):
         return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)

@@ -182,6 +182,67 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+
+# ----------------------------------------------------------------------------------------------
+# TMA (tensor-descriptor) operands of the forward GEMMs
+# ----------------------------------------------------------------------------------------------
+
+_TMA = [True]
+
+
+@contextlib.contextmanager
+def tma_disabled():
+    """Inside the block the forward GEMMs load every operand through pointers (the pre-TMA path),
+    for A/B runs of the benchmark. Not thread-safe."""
+    previous, _TMA[0] = _TMA[0], False
+    try:
+        yield
+    finally:
+        _TMA[0] = previous
+
+
+def tma_matrix_ok(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (2-D, or 3-D whose first two dims collapse) can back a tensor descriptor:
+    last dim contiguous, 16-byte aligned base and row stride."""
+    if tensor.dim() == 3:
+        if tensor.stride(0) != tensor.shape[1] * tensor.stride(1) and tensor.shape[0] > 1:
+            return False
+        row_stride = tensor.stride(1)
+    elif tensor.dim() == 2:
+        row_stride = tensor.stride(0)
+    else:
+        return False
+    size = tensor.element_size()
+    return (tensor.numel() > 0 and tensor.stride(-1) == 1 and tensor.data_ptr() % 16 == 0
+            and (row_stride * size) % 16 == 0)
+
+
+def use_tma(*tensors: torch.Tensor) -> bool:
+    """TMA loads for these operands: Hopper or newer (or the interpreter, which emulates them),
+    every operand descriptor-compatible, and not switched off by `tma_disabled`."""
+    if not _TMA[0] or not all(tma_matrix_ok(t) for t in tensors):
+        return False
+    if interpreting():
+        return True
+    device = tensors[0].device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    _ensure_descriptor_allocator()
+    return True
+
+
+def _descriptor_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors need global scratch from `triton.set_allocator`; set ours
+    (torch's caching allocator, so CUDA-graph capture works) unless the caller has set one. The
+    setting is a context variable, so it is checked on every launch (autograd's thread too)."""
+    from triton.runtime import _allocation
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_descriptor_scratch)
+
 # ----------------------------------------------------------------------------------------------
 # Shared device helpers (also used by grouped_down_reduce)
 # ----------------------------------------------------------------------------------------------
@@ -251,8 +312,8 @@ def _swiglu_fwd_kernel(
     x_ptr, row_ptr, offsets_ptr, w_ptr, h_ptr, pre_ptr,
     M, D, F, num_experts,
     stride_xr, stride_xd, stride_we, stride_wf, stride_wd, stride_hm, stride_hf, stride_pm, stride_pf,
-    SAVE_PREACT: tl.constexpr, PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SAVE_PREACT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
     pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(F, BLOCK_N), GROUP_SIZE)
@@ -261,25 +322,48 @@ def _swiglu_fwd_kernel(
         return
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
+    # Rows past the tile's end gather row 0 (valid memory) and are never stored: the A loads of
+    # full K blocks need no mask.
     rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + rows[:, None] * stride_xr + offs_k[None, :] * stride_xd
-    bg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wd
-    bu_ptrs = bg_ptrs + F * stride_wf
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        mask_k = offs_k < D - k0
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_xd
-        bg_ptrs += BLOCK_K * stride_wd
-        bu_ptrs += BLOCK_K * stride_wd
+    k_full = D - D % BLOCK_K
+    if TMA:
+        # W viewed as [E*2F, D]; gate rows of this tile at e*2F + n, up rows F further. Columns
+        # past D read zeros; rows past the expert's F are other weights, in masked-out columns.
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * F, D], strides=[stride_wf, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        gate_row = expert * 2 * F + pid_n * BLOCK_N
+        for k0 in range(0, k_full, BLOCK_K):
+            a = tl.load(a_ptrs)
+            acc_g = tl.dot(a, w_desc.load([gate_row, k0]).T, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, w_desc.load([gate_row + F, k0]).T, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_xd
+        if k_full < D:
+            a = tl.load(a_ptrs, mask=(offs_k < D - k_full)[None, :], other=0.0)
+            acc_g = tl.dot(a, w_desc.load([gate_row, k_full]).T, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, w_desc.load([gate_row + F, k_full]).T, acc_u, input_precision=PRECISION)
+    else:
+        # Columns past F read (valid) column F-1 of the weights and are never stored.
+        cols = tl.where(mask_n, offs_n, F - 1)
+        bg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wf + offs_k[:, None] * stride_wd
+        bu_ptrs = bg_ptrs + F * stride_wf
+        for k0 in range(0, k_full, BLOCK_K):
+            a = tl.load(a_ptrs)
+            acc_g = tl.dot(a, tl.load(bg_ptrs), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, tl.load(bu_ptrs), acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_xd
+            bg_ptrs += BLOCK_K * stride_wd
+            bu_ptrs += BLOCK_K * stride_wd
+        if k_full < D:
+            mask_k = offs_k < D - k_full
+            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
+            acc_g = tl.dot(a, tl.load(bg_ptrs, mask=mask_k[:, None], other=0.0), acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, tl.load(bu_ptrs, mask=mask_k[:, None], other=0.0), acc_u, input_precision=PRECISION)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     mask_mn = mask_m[:, None] & mask_n[None, :]
     offs_m64 = offs_m.to(tl.int64)
@@ -430,7 +514,7 @@ def _swiglu_bwd_dw_kernel(
     tl.store(out_ptrs + F * stride_wf, acc_u.to(dw_ptr.dtype.element_ty), mask=mask_fd)
 
 
-_swiglu_fwd_tuned = triton.autotune(configs=list(SWIGLU_FWD_CONFIGS), key=["D", "F"])(_swiglu_fwd_kernel)
+_swiglu_fwd_tuned = triton.autotune(configs=list(SWIGLU_FWD_CONFIGS), key=["D", "F", "TMA"])(_swiglu_fwd_kernel)
 _swiglu_bwd_dx_tuned = triton.autotune(configs=list(SWIGLU_DX_CONFIGS), key=["D", "F", "GRADS_READY"])(
     _swiglu_bwd_dx_kernel)
 _swiglu_bwd_dw_tuned = triton.autotune(configs=list(SWIGLU_DW_CONFIGS), key=["D", "F", "GRADS_READY"])(
@@ -507,8 +591,8 @@ def grouped_swiglu_forward(
         num_pairs, hidden, ffn, num_experts,
         *x_RD.stride(), *w_gate_up_E2FD.stride(), *h_MF.stride(), *pre.stride(),
     )
-    consts = dict(SAVE_PREACT=save_preact, PRECISION=dot_precision(x_RD.dtype), GROUP_SIZE=GROUP_M,
-                  EXPERTS_P2=triton.next_power_of_2(num_experts))
+    consts = dict(SAVE_PREACT=save_preact, TMA=use_tma(w_gate_up_E2FD), PRECISION=dot_precision(x_RD.dtype),
+                  GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
 
     def grid(meta):
         return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"]),)

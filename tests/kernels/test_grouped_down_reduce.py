@@ -3,6 +3,8 @@ edge-case routings (several pairs per row, rows with none, empty / hot experts, 
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
 
 import pytest
@@ -149,6 +151,30 @@ def test_opcheck_registrations():
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b).norm() / b.norm().clamp_min(1e-12)).item()
 
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("case", ["npow2", "empty_experts", "one_row"])
+def test_forward_operand_paths_match_reference(case, tma, poisoned_empty):
+    """Both ways the forward loads h and the weights: tensor descriptors (the default where their
+    layout allows) and pointers. F = 40 and 24 leave K tails after 16-wide blocks; D = 48 is not a
+    multiple of 32; tiles past an expert's pairs read the next expert's rows, which are not stored."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")    # owns the TMA switch
+    h, pair_row, gate, offsets, w, rows = make_case(case, torch.float32)
+    hopper = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9   # the interpreter emulates TMA
+    with contextlib.nullcontext() if tma else module.tma_disabled():
+        assert module.use_tma(h, w) == (tma and hopper)
+        y = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)
+    torch.testing.assert_close(y, grouped_down_reduce_ref(h, pair_row, gate, offsets, w, rows), atol=1e-4, rtol=1e-4)
+
+
+def test_operands_without_a_descriptor_layout_load_through_pointers(poisoned_empty):
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    h, pair_row, gate, offsets, w, rows = make_case("npow2", torch.float32)
+    h_strided = h.t().contiguous().t()
+    assert not module.use_tma(h_strided, w)
+    torch.testing.assert_close(grouped_down_reduce(h_strided, pair_row, gate, offsets, w, rows),
+                               grouped_down_reduce_ref(h, pair_row, gate, offsets, w, rows), atol=1e-4, rtol=1e-4)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["npow2", "hot_expert", "all_experts"])

@@ -5,6 +5,8 @@ the autotuned GPU configs are checked by the `gpu` tests."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import math
 
 import pytest
@@ -154,6 +156,38 @@ def test_opcheck_registrations():
     )
 
 
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("hidden", [40, 48])
+def test_forward_weight_operand_paths_match_reference(tma, hidden, poisoned_empty):
+    """Both ways the forward loads the weights: tensor descriptors (the default where their layout
+    allows) and pointers. D = 40 leaves a K tail after the 16-wide blocks; F = 24 is not a multiple
+    of the N block, so the gate tile's last columns read up-projection rows that are not stored."""
+    gen = torch.Generator().manual_seed(hidden)
+    rows, ffn, experts = 30, 24, 4
+    routing = [torch.randperm(experts, generator=gen)[:2].tolist() if r % 4 else [3] for r in range(rows)]
+    pair_row, offsets = pairs_from_rows(routing, experts)
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE)
+    w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).to(DEVICE)
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    hopper = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9   # the interpreter emulates TMA
+    with contextlib.nullcontext() if tma else module.tma_disabled():
+        assert module.use_tma(w) == (tma and hopper)
+        h = grouped_swiglu(x, pair_row.to(DEVICE), offsets.to(DEVICE), w)
+    torch.testing.assert_close(h, grouped_swiglu_ref(x, pair_row.to(DEVICE), offsets.to(DEVICE), w),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_weights_without_a_descriptor_layout_load_through_pointers(poisoned_empty):
+    """A weight whose last dim is not contiguous cannot back a tensor descriptor: the pointer path
+    runs and gives the same result."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    x, pair_row, offsets, w = make_case("npow2", torch.float32)
+    w_strided = w.transpose(1, 2).contiguous().transpose(1, 2)
+    assert module.use_tma(w) and not module.use_tma(w_strided)
+    torch.testing.assert_close(grouped_swiglu(x, pair_row, offsets, w_strided),
+                               grouped_swiglu_ref(x, pair_row, offsets, w), atol=1e-4, rtol=1e-4)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["npow2", "hot_expert", "empty_experts"])
 def test_bf16_on_gpu(case, bwd_mode):
@@ -212,6 +246,7 @@ def test_every_kernel_config_compiles_for_sm90(tmp_path):
 
 def _compile_every_launch_for_sm90() -> int:
     import importlib
+    import itertools
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -242,7 +277,11 @@ def _compile_every_launch_for_sm90() -> int:
              for hidden, ffn, num_pairs in ((64, 32, 9000), (48, 40, 100))   # autotuned / fixed-config paths
              for dtype in (torch.bfloat16, torch.float32)
              for mode in modules[0].SWIGLU_BWD_MODES]
-    for hidden, ffn, num_pairs, dtype, mode in cases:
+    # CPU tensors never take the TMA path on their own: record both operand paths of the forwards.
+    with_tma = modules[0].use_tma
+    for tma, (hidden, ffn, num_pairs, dtype, mode) in itertools.product((False, True), cases):
+        modules[0].use_tma = modules[1].use_tma = (
+            lambda *tensors, tma=tma: tma and all(modules[0].tma_matrix_ok(t) for t in tensors))
         modules[0].SWIGLU_BWD_MODE = mode
         experts, rows = 4, num_pairs // 2
         pair_row = torch.randint(0, rows, (num_pairs,), generator=gen)
@@ -256,6 +295,7 @@ def _compile_every_launch_for_sm90() -> int:
         brim = torch.randperm(2 * rows, generator=gen)[: rows].view(-1, 2)
         out = combine(y, brim)
         torch.autograd.grad(out, (x, w1, w2, gate), torch.randn_like(out))
+    modules[0].use_tma = modules[1].use_tma = with_tma
 
     # the fused dedup plan + pack (kernel launches recorded, not run: the counts are placeholders)
     plan_module = modules[3]
