@@ -91,22 +91,16 @@ def _down_fwd_kernel(
         for k0 in range(0, F, BLOCK_K):
             acc = tl.dot(h_desc.load([start.to(tl.int32), k0]), w_desc.load([w_row, k0]).T, acc, input_precision=PRECISION)
     else:
-        # Rows past the tile's end read (valid) row end-1, columns past D column D-1; neither is
-        # stored, so full K blocks load without a mask.
         offs_k = tl.arange(0, BLOCK_K)
-        rows_ld = tl.minimum(offs_m, end - 1).to(tl.int64)
-        cols = tl.where(mask_n, offs_n, D - 1)
-        a_ptrs = h_ptr + rows_ld[:, None] * stride_hm + offs_k[None, :] * stride_hf
-        b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wd + offs_k[:, None] * stride_wf
-        k_full = F - F % BLOCK_K
-        for k0 in range(0, k_full, BLOCK_K):
-            acc = tl.dot(tl.load(a_ptrs), tl.load(b_ptrs), acc, input_precision=PRECISION)
+        a_ptrs = h_ptr + offs_m64[:, None] * stride_hm + offs_k[None, :] * stride_hf
+        b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wd + offs_k[:, None] * stride_wf
+        for k0 in range(0, F, BLOCK_K):
+            mask_k = offs_k < F - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_hf
             b_ptrs += BLOCK_K * stride_wf
-        if k_full < F:
-            mask_k = offs_k < F - k_full
-            acc = tl.dot(tl.load(a_ptrs, mask=mask_k[None, :], other=0.0),
-                         tl.load(b_ptrs, mask=mask_k[:, None], other=0.0), acc, input_precision=PRECISION)
     gate = tl.load(gate_ptr + offs_m64 * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
     acc = acc * gate[:, None]
     if SCATTER_ROWS:   # one pair per row: write the row itself, in the output dtype

@@ -80,6 +80,8 @@ INTERPRET_GEMM_META = MappingProxyType({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K":
 FP32_GEMM_META = MappingProxyType({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2})
 SMALL_GEMM_META = MappingProxyType({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3})
 AUTOTUNE_MIN_PAIRS = 8192
+# Every BLOCK_K a GEMM may run with divides this, so a K dimension that it divides needs no K mask.
+MAX_BLOCK_K = 128
 GROUP_M = 8
 
 
@@ -147,6 +149,8 @@ def forced_gemm_meta(name: str, meta: Mapping[str, int]):
     missing = {"BLOCK_M", "BLOCK_N", "BLOCK_K"} - set(meta)
     if missing:
         raise ValueError(f"forced_gemm_meta: meta for {name} lacks {sorted(missing)}")
+    if MAX_BLOCK_K % meta["BLOCK_K"]:
+        raise ValueError(f"forced_gemm_meta: BLOCK_K {meta['BLOCK_K']} for {name} does not divide {MAX_BLOCK_K}")
     previous = _FORCED_META.get(name)
     _FORCED_META[name] = MappingProxyType(dict(meta))
     try:
@@ -312,8 +316,8 @@ def _swiglu_fwd_kernel(
     x_ptr, row_ptr, offsets_ptr, w_ptr, h_ptr, pre_ptr,
     M, D, F, num_experts,
     stride_xr, stride_xd, stride_we, stride_wf, stride_wd, stride_hm, stride_hf, stride_pm, stride_pf,
-    SAVE_PREACT: tl.constexpr, TMA: tl.constexpr, PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SAVE_PREACT: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
     pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(F, BLOCK_N), GROUP_SIZE)
@@ -322,8 +326,6 @@ def _swiglu_fwd_kernel(
         return
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
-    # Rows past the tile's end gather row 0 (valid memory) and are never stored: the A loads of
-    # full K blocks need no mask.
     rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < F
@@ -331,39 +333,35 @@ def _swiglu_fwd_kernel(
     a_ptrs = x_ptr + rows[:, None] * stride_xr + offs_k[None, :] * stride_xd
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_full = D - D % BLOCK_K
     if TMA:
         # W viewed as [E*2F, D]; gate rows of this tile at e*2F + n, up rows F further. Columns
         # past D read zeros; rows past the expert's F are other weights, in masked-out columns.
+        # Rows past the tile's end gather row 0 (valid memory) and are never stored, so the A
+        # loads need a mask only for a K tail.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * F, D], strides=[stride_wf, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
         gate_row = expert * 2 * F + pid_n * BLOCK_N
-        for k0 in range(0, k_full, BLOCK_K):
-            a = tl.load(a_ptrs)
+        for k0 in range(0, D, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
             acc_g = tl.dot(a, w_desc.load([gate_row, k0]).T, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, w_desc.load([gate_row + F, k0]).T, acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_xd
-        if k_full < D:
-            a = tl.load(a_ptrs, mask=(offs_k < D - k_full)[None, :], other=0.0)
-            acc_g = tl.dot(a, w_desc.load([gate_row, k_full]).T, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, w_desc.load([gate_row + F, k_full]).T, acc_u, input_precision=PRECISION)
     else:
-        # Columns past F read (valid) column F-1 of the weights and are never stored.
-        cols = tl.where(mask_n, offs_n, F - 1)
-        bg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :] * stride_wf + offs_k[:, None] * stride_wd
+        bg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wd
         bu_ptrs = bg_ptrs + F * stride_wf
-        for k0 in range(0, k_full, BLOCK_K):
-            a = tl.load(a_ptrs)
-            acc_g = tl.dot(a, tl.load(bg_ptrs), acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, tl.load(bu_ptrs), acc_u, input_precision=PRECISION)
+        for k0 in range(0, D, BLOCK_K):
+            mask_k = offs_k < D - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_xd
             bg_ptrs += BLOCK_K * stride_wd
             bu_ptrs += BLOCK_K * stride_wd
-        if k_full < D:
-            mask_k = offs_k < D - k_full
-            a = tl.load(a_ptrs, mask=mask_k[None, :], other=0.0)
-            acc_g = tl.dot(a, tl.load(bg_ptrs, mask=mask_k[:, None], other=0.0), acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, tl.load(bu_ptrs, mask=mask_k[:, None], other=0.0), acc_u, input_precision=PRECISION)
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     mask_mn = mask_m[:, None] & mask_n[None, :]
     offs_m64 = offs_m.to(tl.int64)
@@ -591,7 +589,8 @@ def grouped_swiglu_forward(
         num_pairs, hidden, ffn, num_experts,
         *x_RD.stride(), *w_gate_up_E2FD.stride(), *h_MF.stride(), *pre.stride(),
     )
-    consts = dict(SAVE_PREACT=save_preact, TMA=use_tma(w_gate_up_E2FD), PRECISION=dot_precision(x_RD.dtype),
+    consts = dict(SAVE_PREACT=save_preact, TMA=use_tma(w_gate_up_E2FD), EVEN_K=hidden % MAX_BLOCK_K == 0,
+                  PRECISION=dot_precision(x_RD.dtype),
                   GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
 
     def grid(meta):

@@ -158,11 +158,12 @@ def test_opcheck_registrations():
 
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-@pytest.mark.parametrize("hidden", [40, 48])
+@pytest.mark.parametrize("hidden", [40, 128])
 def test_forward_weight_operand_paths_match_reference(tma, hidden, poisoned_empty):
     """Both ways the forward loads the weights: tensor descriptors (the default where their layout
-    allows) and pointers. D = 40 leaves a K tail after the 16-wide blocks; F = 24 is not a multiple
-    of the N block, so the gate tile's last columns read up-projection rows that are not stored."""
+    allows) and pointers. D = 40 leaves a K tail after the 16-wide blocks (masked A loads); D = 128
+    is a multiple of every BLOCK_K (unmasked); F = 24 is not a multiple of the N block, so the gate
+    tile's last columns read up-projection rows that are not stored."""
     gen = torch.Generator().manual_seed(hidden)
     rows, ffn, experts = 30, 24, 4
     routing = [torch.randperm(experts, generator=gen)[:2].tolist() if r % 4 else [3] for r in range(rows)]
