@@ -4,7 +4,7 @@
 # operands and with pointer operands, torch._grouped_mm, the no-gather and dense cuBLAS ceilings, and
 # the cuBLAS peak, all in one process), then optionally a config sweep of chosen GEMM kernels.
 # Usage: workflow/scripts/gpu_kernels.sh OUTDIR
-# env: BENCH_ARGS (extra bench_kernels options), TUNE_KERNELS (e.g. "swiglu_fwd down_fwd"; empty:
+# env: GPU_TESTS (test paths, default "tests/kernels tests/ep"; "none": skip), BENCH_ARGS (extra bench_kernels options), TUNE_KERNELS (e.g. "swiglu_fwd down_fwd"; empty:
 #      no sweep), TUNE_LIMIT_S (default 150), TUNE_MAX_CONFIGS (default 16)
 set -uo pipefail
 out=${1:?usage: gpu_kernels.sh OUTDIR}
@@ -14,8 +14,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)';
   git rev-parse HEAD 2>/dev/null || echo "commit: ${OCCULT_COMMIT:-unknown}"; } > "$out/machine.txt" 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || cat "$out/install.log"
-echo "== gpu tests ($(date -u +%T))"
-timeout 420 python3 -m pytest tests/kernels tests/ep -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
+tests=${GPU_TESTS:-tests/kernels tests/ep}
+if [ "$tests" != none ]; then
+  echo "== gpu tests: $tests ($(date -u +%T))"
+  # shellcheck disable=SC2086
+  timeout 420 python3 -m pytest $tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
+fi
 echo "== bench_kernels ($(date -u +%T))"
 # shellcheck disable=SC2086
 timeout 420 python3 -m occult.kernels.bench_kernels --out "$out/kernels.csv" ${BENCH_ARGS:-} 2>&1 \
