@@ -87,25 +87,30 @@ GROUP_M = 8
 
 # Measured winners of the config sweep that beat the autotuner's pick by a margin worth pinning:
 # results/nvidia-h200-x2/tune_v1 (H200, bf16, OLMoE experts D=2048, F=1024, 131k pairs a rank):
-# swiglu_fwd 2.310 -> 2.226 ms, swiglu_dx 3.577 -> 2.687 ms, swiglu_dw 3.277 -> 2.747 ms. Used for
-# 16-bit inputs of that (D, F) on compute capability 9.x from AUTOTUNE_MIN_PAIRS pairs on; every
-# other case autotunes. Key: (kernel name, capability major, D, F).
-TUNED_GEMM_META: Mapping[tuple[str, int, int, int], Mapping[str, int]] = MappingProxyType({
-    ("_swiglu_fwd_kernel", 9, 2048, 1024): MappingProxyType(
+# swiglu_fwd 2.310 -> 2.226 ms (pointer operands), swiglu_dx 3.577 -> 2.687 ms, swiglu_dw 3.277 ->
+# 2.747 ms. Used for 16-bit inputs of that (D, F) on compute capability 9.x from AUTOTUNE_MIN_PAIRS
+# pairs on; every other case autotunes. Key: (kernel name, capability major, D, F, TMA operands).
+# With TMA operands the forward SwiGLU's pointer winner ran 2.45 ms against 1.92 for 128x128x64
+# (results/nvidia-h200/kernels_v3b/tune.csv), so that path has its own entry.
+TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = MappingProxyType({
+    ("_swiglu_fwd_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
-    ("_swiglu_bwd_dx_kernel", 9, 2048, 1024): MappingProxyType(
+    ("_swiglu_fwd_kernel", 9, 2048, 1024, True): MappingProxyType(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+    ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}),
-    ("_swiglu_bwd_dw_kernel", 9, 2048, 1024): MappingProxyType(
+    ("_swiglu_bwd_dw_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}),
 })
 
 
 def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int, kernel_name: str | None = None,
                     shape: tuple[int, int] | None = None,
-                    device: torch.device | None = None) -> Mapping[str, int] | None:
+                    device: torch.device | None = None, tma: bool = False) -> Mapping[str, int] | None:
     """The single config to launch with, or None to autotune (decided per launch). A config forced
     for `kernel_name` (`forced_gemm_meta`, the config sweep of `tune_kernels`) wins over all; then
-    a measured one of `TUNED_GEMM_META` for this (D, F) = `shape` on `device`'s architecture."""
+    a measured one of `TUNED_GEMM_META` for this (D, F) = `shape`, operand path (`tma`) and
+    `device`'s architecture."""
     if kernel_name is not None and kernel_name in _FORCED_META:
         return _FORCED_META[kernel_name]
     if interpreting():
@@ -115,7 +120,7 @@ def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int, kernel_name: str | None 
     if num_pairs < AUTOTUNE_MIN_PAIRS:
         return SMALL_GEMM_META
     if _PINNING[0] and shape is not None and device is not None and device.type == "cuda" and kernel_name is not None:
-        tuned = TUNED_GEMM_META.get((kernel_name, torch.cuda.get_device_capability(device)[0], *shape))
+        tuned = TUNED_GEMM_META.get((kernel_name, torch.cuda.get_device_capability(device)[0], *shape, tma))
         if tuned is not None:
             return tuned
     return None
@@ -167,7 +172,7 @@ def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dty
     """Launch `kernel` with the fixed, forced or measured config for (dtype, size, (D, F) = `shape`),
     or its autotuned wrapper `tuned`. The device is that of the first tensor argument."""
     device = args[0].device if shape is not None else None
-    meta = fixed_gemm_meta(dtype, num_pairs, kernel_name(kernel), shape, device)
+    meta = fixed_gemm_meta(dtype, num_pairs, kernel_name(kernel), shape, device, bool(consts.get("TMA", False)))
     if meta is None:
         tuned[grid](*args, **consts)
     else:

@@ -51,7 +51,7 @@ import triton
 from occult.provenance import atomic_path, git_commit, provenance, seed_everything, write_json
 
 from .bench_kernels import (BenchShape, Workload, add_workload_args, build_workload, check_workload_args, rel_err,
-                            time_ms)
+                            row_table, time_ms)
 from .combine import interpreting
 from .grouped_down_reduce import grouped_down_reduce_backward, grouped_down_reduce_forward
 from .grouped_swiglu import forced_gemm_meta, grouped_swiglu_backward, grouped_swiglu_forward
@@ -123,20 +123,6 @@ def candidates(spec: KernelSpec, *, blocks: tuple[int, ...], block_k: tuple[int,
             grid.append(meta)
     random.Random(seed).shuffle(grid)
     return (own + grid)[:limit]
-
-
-def row_table(pair_row_M: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """[R, K] positions of each row's pairs (−1 = none), K = the most pairs of a row: the table the
-    layer's packed rows give the expert side."""
-    order = torch.argsort(pair_row_M, stable=True)
-    rows_sorted = pair_row_M[order]
-    counts = torch.bincount(pair_row_M, minlength=num_rows)
-    slots = max(int(counts.max()) if counts.numel() else 1, 1)
-    first = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(order.numel(), device=order.device) - first[rows_sorted]
-    table = torch.full((num_rows, slots), -1, dtype=torch.long, device=pair_row_M.device)
-    table[rows_sorted, rank] = order
-    return table
 
 
 @dataclass
@@ -239,8 +225,9 @@ def pinned_meta(name: str, inp: Inputs):
     """The `TUNED_GEMM_META` config the op launches by default for this workload, or None."""
     if not any(key[0] == name for key in swiglu_module.TUNED_GEMM_META):
         return None
+    tma = name == "_swiglu_fwd_kernel" and swiglu_module.use_tma(inp.w_gate_up)   # the one GEMM with both paths pinned
     meta = swiglu_module.fixed_gemm_meta(inp.x.dtype, inp.rows.shape[0], name,
-                                         (inp.x.shape[1], inp.w_gate_up.shape[1] // 2), inp.x.device)
+                                         (inp.x.shape[1], inp.w_gate_up.shape[1] // 2), inp.x.device, tma)
     return meta if any(meta is tuned for tuned in swiglu_module.TUNED_GEMM_META.values()) else None
 
 

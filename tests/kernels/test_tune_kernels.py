@@ -118,7 +118,7 @@ def test_measured_configs_are_pinned_only_for_their_shape_dtype_size_and_archite
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
     cuda, many = torch.device("cuda", 0), 10**6
     name = "_swiglu_bwd_dx_kernel"
-    pinned = swiglu_module.TUNED_GEMM_META[(name, 9, 2048, 1024)]
+    pinned = swiglu_module.TUNED_GEMM_META[(name, 9, 2048, 1024, False)]
     meta = swiglu_module.fixed_gemm_meta
     assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is pinned
     assert meta(torch.float16, many, name, (2048, 1024), cuda) is pinned
@@ -133,5 +133,9 @@ def test_measured_configs_are_pinned_only_for_their_shape_dtype_size_and_archite
     forced = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
     with swiglu_module.forced_gemm_meta(name, forced):                                   # the sweep's forcing wins
         assert dict(meta(torch.bfloat16, many, name, (2048, 1024), cuda)) == forced
+    fwd = "_swiglu_fwd_kernel"                                                           # pinned per operand path
+    assert meta(torch.bfloat16, many, fwd, (2048, 1024), cuda, True) is swiglu_module.TUNED_GEMM_META[(fwd, 9, 2048, 1024, True)]
+    assert meta(torch.bfloat16, many, fwd, (2048, 1024), cuda) is swiglu_module.TUNED_GEMM_META[(fwd, 9, 2048, 1024, False)]
+    assert meta(torch.bfloat16, many, name, (2048, 1024), cuda, True) is None           # no TMA entry for dx
     capability[0] = (8, 0)
     assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is None
