@@ -10,6 +10,12 @@ reads `ep_<kind>_<routing>_D<D>.csv` and `peak.csv`; writes `summary.csv` (per m
 phases, expert TFLOP/s and % of the measured bf16 peak, wire bytes, the NCCL time of those bytes),
 `targets.csv` (the runtime's performance targets at 2^14 tokens/GPU, measured ratio and verdict)
 and figures (latency vs tokens, phase breakdown at 2^14).
+
+Kernel benchmark (`--kernels`, `--run-dir results/<machine>/kernels_<v>`, from
+`workflow/scripts/gpu_kernels.sh`): reads `kernels*.csv` of `occult.kernels.bench_kernels` (with its
+cuBLAS peak rows); writes `summary.csv` (forward TFLOP/s per op, implementation and routing, as % of
+the sustained and of the burst peak of the same run, min/median/max over the run's repeats) and
+`kernels.png` (forward rate of each implementation beside the peaks and the 80% target).
 """
 
 from __future__ import annotations
@@ -244,13 +250,81 @@ def make_ep_report(run_dir: Path, figures_dir: Path) -> None:
     plot_ep(summary, figures_dir)
 
 
+KERNEL_OPS = ("expert_ffn", "grouped_swiglu", "grouped_down_reduce")
+KERNEL_IMPLS = ("triton", "triton_row_table", "triton_pointers", "grouped_mm", "grouped_mm_sorted", "dense_mm")
+
+
+def load_kernels(run_dir: Path) -> pd.DataFrame:
+    """Every bench_kernels CSV of the run (`kernels.csv`, repeats `kernels_*.csv`), a column `file`
+    naming its source; each file must carry its own cuBLAS peak rows (`matmul_8192`)."""
+    frames = []
+    for csv in sorted(run_dir.glob("kernels*.csv")):
+        frame = pd.read_csv(csv)
+        if not {"pct_of_peak", "pct_of_burst_peak"} <= set(frame.columns):
+            raise ValueError(f"{csv}: no peak columns (pct_of_peak, pct_of_burst_peak): bench_kernels before "
+                             "d8112ee did not measure the peak in the same run")
+        frames.append(frame.assign(file=csv.name))
+    if not frames:
+        raise FileNotFoundError(f"{run_dir}: no kernels*.csv")
+    return pd.concat(frames, ignore_index=True)
+
+
+def kernels_summary(frame: pd.DataFrame) -> pd.DataFrame:
+    """Forward rate per (routing, op, impl): min / median / max over the run's files."""
+    peaks = frame[frame["op"] == "matmul_8192"].pivot_table(index="file", columns="impl", values="tflops")
+    forward = frame[(frame["pass"] == "fwd") & frame["op"].isin(KERNEL_OPS) & frame["impl"].isin(KERNEL_IMPLS)]
+    grouped = forward.groupby(["routing", "op", "impl"])
+    summary = grouped.agg(files=("file", "nunique"), median_ms=("median_ms", "median"),
+                          tflops_min=("tflops", "min"), tflops=("tflops", "median"), tflops_max=("tflops", "max"),
+                          pct_of_peak=("pct_of_peak", "median"), pct_of_peak_min=("pct_of_peak", "min"),
+                          pct_of_peak_max=("pct_of_peak", "max"), pct_of_burst_peak=("pct_of_burst_peak", "median"))
+    return summary.reset_index().assign(peak_tflops=peaks["cublas"].median(),
+                                        burst_peak_tflops=peaks["cublas_burst"].median())
+
+
+def plot_kernels(summary: pd.DataFrame, path: Path) -> None:
+    routings = sorted(summary["routing"].unique())
+    fig, axes = plt.subplots(1, len(routings), figsize=(6.5 * len(routings), 4.2), squeeze=False, sharey=True)
+    impls = [i for i in KERNEL_IMPLS if i in set(summary["impl"])]
+    width = 0.8 / len(impls)
+    for ax, routing in zip(axes[0], routings):
+        part = summary[summary["routing"] == routing]
+        for j, impl in enumerate(impls):
+            rows = part[part["impl"] == impl].set_index("op").reindex(list(KERNEL_OPS))
+            xs = [i + (j - (len(impls) - 1) / 2) * width for i in range(len(KERNEL_OPS))]
+            err = [rows["tflops"] - rows["tflops_min"], rows["tflops_max"] - rows["tflops"]]
+            ax.bar(xs, rows["tflops"], width, yerr=err, label=impl, capsize=2)
+        peak, burst = part["peak_tflops"].iloc[0], part["burst_peak_tflops"].iloc[0]
+        ax.axhline(peak, color="black", lw=1, label=f"cuBLAS 8192³, sustained ({peak:.0f})")
+        ax.axhline(burst, color="black", lw=1, ls=":", label=f"cuBLAS 8192³, 40 ms burst ({burst:.0f})")
+        ax.axhline(0.8 * peak, color="red", lw=1, ls="--", label="80% of sustained")
+        ax.set_xticks(range(len(KERNEL_OPS)), ["expert FFN", "gate/up + SwiGLU", "down + reduce"])
+        ax.set_title(f"forward, {routing} routing")
+        ax.set_ylabel("TFLOP/s (bf16)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=5, bbox_to_anchor=(0.5, -0.1))
+    fig.suptitle("Expert kernels at the OLMoE shape, 2^14 tokens × 2 ranks' pairs on one H200", fontsize=10)
+    _save(fig, path)
+
+
+def make_kernels_report(run_dir: Path, figures_dir: Path) -> None:
+    summary = kernels_summary(load_kernels(run_dir))
+    write_csv(run_dir / "summary.csv", summary)
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    plot_kernels(summary, figures_dir / "kernels.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--run-dir", type=Path, required=True, help="results/<machine>/<run>")
     p.add_argument("--figures", type=Path, required=True, help="figures/<machine>/<run>")
-    p.add_argument("--ep", action="store_true", help="the run is an EP benchmark (ep_*.csv), not sweeps")
+    kind = p.add_mutually_exclusive_group()
+    kind.add_argument("--ep", action="store_true", help="the run is an EP benchmark (ep_*.csv), not sweeps")
+    kind.add_argument("--kernels", action="store_true", help="the run is a kernel benchmark (kernels*.csv)")
     args = p.parse_args(argv)
-    if args.ep:
+    if args.kernels:
+        make_kernels_report(args.run_dir, args.figures)
+    elif args.ep:
         make_ep_report(args.run_dir, args.figures)
     else:
         make_gpu_report(args.run_dir, args.figures)

@@ -91,3 +91,35 @@ def test_sweep_speedups_by_hand():
     assert table.loc[("occult", "megablocks"), "speedup"] == pytest.approx(0.75)
     assert table.loc[("occult-graph", "megablocks"), "speedup"] == pytest.approx(1.5)
     assert ("occult", "occult-graph") not in table.index                  # Occult variants are not baselines
+
+
+def kernel_rows(swiglu_ms: float, peak_ms: float) -> pd.DataFrame:
+    """A bench_kernels CSV: two forward rows and the two peak rows (as the bench writes them)."""
+    flops = 2.0 * 8192**3
+    peak, burst = flops / peak_ms / 1e9, flops / (0.9 * peak_ms) / 1e9
+    rows = [{"routing": "uniform", "op": "grouped_swiglu", "impl": "triton", "pass": "fwd", "median_ms": swiglu_ms,
+             "tflops": 600.0 * 2.0 / swiglu_ms},
+            {"routing": "uniform", "op": "grouped_swiglu", "impl": "triton", "pass": "fwd+bwd", "median_ms": 3 * swiglu_ms,
+             "tflops": 1.0},
+            {"op": "matmul_8192", "impl": "cublas", "pass": "fwd", "median_ms": peak_ms, "tflops": peak},
+            {"op": "matmul_8192", "impl": "cublas_burst", "pass": "fwd", "median_ms": 0.9 * peak_ms, "tflops": burst}]
+    frame = pd.DataFrame(rows)
+    return frame.assign(pct_of_peak=100 * frame["tflops"] / peak, pct_of_burst_peak=100 * frame["tflops"] / burst)
+
+
+def test_kernel_report_takes_the_median_over_repeats_against_each_runs_own_peak(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "kernels_v1"
+    run_dir.mkdir(parents=True)
+    kernel_rows(2.0, 2.0).to_csv(run_dir / "kernels.csv", index=False)          # 600 TFLOP/s, peak 549.8
+    kernel_rows(2.4, 2.2).to_csv(run_dir / "kernels_repeat.csv", index=False)   # 500 TFLOP/s, peak 499.8
+    gpu_report.make_kernels_report(run_dir, tmp_path / "figures")
+    row = pd.read_csv(run_dir / "summary.csv").set_index("impl").loc["triton"]
+    assert row["files"] == 2 and row["median_ms"] == pytest.approx(2.2)
+    assert (row["tflops_min"], row["tflops_max"]) == (pytest.approx(500.0), pytest.approx(600.0))
+    peak_1, peak_2 = 2.0 * 8192**3 / 2.0 / 1e9, 2.0 * 8192**3 / 2.2 / 1e9
+    assert row["pct_of_peak"] == pytest.approx((100 * 600 / peak_1 + 100 * 500 / peak_2) / 2, rel=1e-5)
+    assert row["pct_of_burst_peak"] == pytest.approx(0.9 * row["pct_of_peak"], rel=1e-5)
+    assert (tmp_path / "figures" / "kernels.png").stat().st_size > 0
+    pd.read_csv(run_dir / "kernels.csv").drop(columns=["pct_of_burst_peak"]).to_csv(run_dir / "kernels.csv", index=False)
+    with pytest.raises(ValueError, match="kernels.csv: no peak columns"):
+        gpu_report.make_kernels_report(run_dir, tmp_path / "figures")

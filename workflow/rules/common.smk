@@ -92,6 +92,21 @@ def committed_ep_runs() -> list[tuple[str, str]]:
                    for csv in Path("results").glob("*/ep_*/ep_*_D*.csv")})
 
 
+def committed_kernel_runs() -> list[tuple[str, str]]:
+    """(machine, version) of every committed kernel benchmark run with the cuBLAS peaks measured in
+    the same run: results/<machine>/kernels_<version>/kernels.csv with a pct_of_burst_peak column."""
+    runs = set()
+    for csv in Path("results").glob("*/kernels_*/kernels.csv"):
+        with open(csv) as handle:
+            if "pct_of_burst_peak" in handle.readline().split(","):
+                runs.add((csv.parent.parent.name, csv.parent.name.removeprefix("kernels_")))
+    return sorted(runs)
+
+
+def kernel_bench_csvs(wildcards) -> list[str]:
+    return sorted(str(p) for p in (Path("results") / wildcards.machine / f"kernels_{wildcards.version}").glob("kernels*.csv"))
+
+
 def ep_bench_csvs(wildcards) -> list[str]:
     run_dir = Path("results") / wildcards.machine / f"ep_{wildcards.version}"
     comm = run_dir.parent.glob("comm_*/alltoall.csv")      # the machine's own all-to-all curve, if any
@@ -179,6 +194,7 @@ def final_outputs() -> list[str]:
         f"{RESULTS}/bench/ep_cpu.csv",
         *[f"results/{m}/sweeps_{v}/speedups.csv" for m, v in committed_sweep_runs()],
         *[f"results/{m}/ep_{v}/targets.csv" for m, v in committed_ep_runs()],
+        *[f"results/{m}/kernels_{v}/summary.csv" for m, v in committed_kernel_runs()],
         *[f"results/{m}/quality_{v}/tables/accuracy.csv" for m, v in committed_quality_runs()],
         *[f"figures/{m}/quality_{v}/accuracy.png" for m, v in committed_quality_runs()],
         *[f"figures/{m}/quality_{v}/placement_study.png" for m, v in committed_quality_runs("placement_study/study.csv")],

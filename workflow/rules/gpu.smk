@@ -88,3 +88,32 @@ rule plot_ep_bench:
     shell:
         "OCCULT_LOG_JSON={log.json} python -m occult.gpu_report --ep --run-dir {params.run_dir}"
         " --figures {output.figures} > {log.text} 2>&1"
+
+
+rule plot_kernel_bench:
+    input:
+        csvs=kernel_bench_csvs,
+    output:
+        summary="results/{machine}/kernels_{version}/summary.csv",
+        figure=report(
+            "figures/{machine}/kernels_{version}/kernels.png",
+            category="GPU latency",
+            caption="../report/kernel_bench.rst",
+        ),
+    params:
+        run_dir=lambda wildcards: f"results/{wildcards.machine}/kernels_{wildcards.version}",
+        figures=lambda wildcards: f"figures/{wildcards.machine}/kernels_{wildcards.version}",
+    log:
+        text="logs/plot_kernel_bench/{machine}_{version}.log",
+        json="logs/plot_kernel_bench/{machine}_{version}.jsonl",
+    benchmark:
+        "benchmarks/plot_kernel_bench/{machine}_{version}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "OCCULT_LOG_JSON={log.json} python -m occult.gpu_report --kernels --run-dir {params.run_dir}"
+        " --figures {params.figures} > {log.text} 2>&1"
