@@ -67,7 +67,7 @@ def _down_fwd_kernel(
     stride_hm, stride_hf, stride_gm, stride_we, stride_wd, stride_wf, stride_ym, stride_yd,
     SCATTER_ROWS: tl.constexpr, TMA: tl.constexpr,
     PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARP_SPEC: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
     pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_SIZE)
@@ -88,7 +88,7 @@ def _down_fwd_kernel(
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * D, F], strides=[stride_wd, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
         w_row = expert * D + pid_n * BLOCK_N
-        for k0 in range(0, F, BLOCK_K):
+        for k0 in tl.range(0, F, BLOCK_K, warp_specialize=WARP_SPEC != 0):   # WARP_SPEC: producer/consumer warps
             acc = tl.dot(h_desc.load([start.to(tl.int32), k0]), w_desc.load([w_row, k0]).T, acc, input_precision=PRECISION)
     else:
         offs_k = tl.arange(0, BLOCK_K)

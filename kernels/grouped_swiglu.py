@@ -323,6 +323,7 @@ def _swiglu_fwd_kernel(
     stride_xr, stride_xd, stride_we, stride_wf, stride_wd, stride_hm, stride_hf, stride_pm, stride_pf,
     SAVE_PREACT: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WARP_SPEC: tl.constexpr = False,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
     pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(F, BLOCK_N), GROUP_SIZE)
@@ -346,7 +347,7 @@ def _swiglu_fwd_kernel(
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * F, D], strides=[stride_wf, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
         gate_row = expert * 2 * F + pid_n * BLOCK_N
-        for k0 in range(0, D, BLOCK_K):
+        for k0 in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC != 0):   # WARP_SPEC: producer/consumer warps
             if EVEN_K:
                 a = tl.load(a_ptrs)
             else:

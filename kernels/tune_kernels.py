@@ -60,6 +60,7 @@ from .grouped_swiglu import forced_gemm_meta, grouped_swiglu_backward, grouped_s
 swiglu_module = importlib.import_module("occult.kernels.grouped_swiglu")
 down_module = importlib.import_module("occult.kernels.grouped_down_reduce")
 REL_ERR_LIMIT = 1e-2
+META_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_SIZE")
 ACC_REGISTER_LIMIT = 128          # fp32 accumulator registers per thread a config may need
 
 
@@ -198,7 +199,8 @@ def sweep_kernel(kernel: str, inp: Inputs, metas: list[dict[str, int]], flops: f
         row = {"kernel": kernel, "kernel_fn": spec.name, "config": label,
                "in_autotune_set": label == "autotuned" or (label == "forced" and forced_index < len(spec.current)),
                **{key: (meta or {}).get(key) for key in
-                  ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_SIZE")}}
+                  ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_SIZE")},
+               "extra_meta": " ".join(f"{k}={v}" for k, v in (meta or {}).items() if k not in META_KEYS) or None}
         try:
             if label == "autotuned":
                 got, fn = want, autotuned
@@ -262,7 +264,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-ms", type=int, default=10)
     parser.add_argument("--rep-ms", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--extra-meta", nargs="+", default=[], metavar="KEY=INT",
+                        help="constexprs added to every forced config, e.g. WARP_SPEC=1 (the kernel must take them)")
     args = parser.parse_args(argv)
+    try:
+        args.extra_meta = {key: int(value) for key, value in (item.split("=", 1) for item in args.extra_meta)}
+    except ValueError:
+        parser.error(f"--extra-meta: expected KEY=INT items, got {args.extra_meta}")
     check_workload_args(parser, args)
     if args.max_configs < 0:
         parser.error(f"--max-configs must be >= 0, got {args.max_configs}")
@@ -300,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                            stages=tuple(args.stages), group_sizes=tuple(args.group_sizes),
                            elem_bytes=inp.x.element_size(), smem_kib=args.smem_kib, limit=args.max_configs,
                            seed=args.seed)
+        metas = [{**meta, **args.extra_meta} for meta in metas]
         print(f"tune_kernels: {kernel}: {len(metas)} configs + the autotuner's pick (+ the pinned default)", file=sys.stderr, flush=True)
         flops = spec.flops(num_pairs, args.hidden, args.ffn)
         for row in sweep_kernel(kernel, inp, metas, flops, on_gpu, args.warmup_ms, args.rep_ms, deadline):

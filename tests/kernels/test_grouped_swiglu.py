@@ -247,6 +247,7 @@ def test_every_kernel_config_compiles_for_sm90(tmp_path):
 
 def _compile_every_launch_for_sm90() -> int:
     import importlib
+    import inspect
     import itertools
 
     import triton
@@ -319,7 +320,7 @@ def _compile_every_launch_for_sm90() -> int:
         if isinstance(launchable, triton.runtime.Autotuner):
             fn, configs = launchable.fn, launchable.configs
             metas = [({**kwargs, **cfg.kwargs}, cfg.num_warps, cfg.num_stages) for cfg in configs]
-            metas += [({**kwargs, **{k: v for k, v in tuned.items() if k.startswith("BLOCK")}},
+            metas += [({**kwargs, **{k: v for k, v in tuned.items() if k not in ("num_warps", "num_stages")}},
                        tuned["num_warps"], tuned["num_stages"])            # the measured, pinned ones
                       for key, tuned in modules[0].TUNED_GEMM_META.items() if key[0] == fn.__name__]
         else:
@@ -339,6 +340,9 @@ def _compile_every_launch_for_sm90() -> int:
                     signature[name] = "i32" if abs(value) < 2**31 else "i64"
                     if value % 16 == 0:
                         attrs[(index,)] = [["tt.divisibility", 16]]
+            for name, param in inspect.signature(fn.fn).parameters.items():   # constexprs left at their default
+                if name not in signature and name not in constants and param.default is not inspect.Parameter.empty:
+                    constants[name] = param.default
             for name in constants:
                 signature[name] = "constexpr"
             signature = {name: signature[name] for name in fn.arg_names}
