@@ -262,7 +262,7 @@ def grouped_down_reduce_forward(
     def grid(meta):
         return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
-    launch_gemm(_down_fwd_tuned, _down_fwd_kernel, grid, args, consts, h_MF.dtype, num_pairs)
+    launch_gemm(_down_fwd_tuned, _down_fwd_kernel, grid, args, consts, h_MF.dtype, num_pairs, (hidden, ffn))
     if scatter_rows:
         return yp_MD
     if row_pairs_RK is not None:

@@ -91,12 +91,16 @@ GROUP_M = 8
 # 2.747 ms. Used for 16-bit inputs of that (D, F) on compute capability 9.x from AUTOTUNE_MIN_PAIRS
 # pairs on; every other case autotunes. Key: (kernel name, capability major, D, F, TMA operands).
 # With TMA operands the forward SwiGLU's pointer winner ran 2.45 ms against 1.92 for 128x128x64
-# (results/nvidia-h200/kernels_v3b/tune.csv), so that path has its own entry.
+# (results/nvidia-h200/kernels_v3b/tune.csv), so that path has its own entries; with warp
+# specialisation that config ran 1.80 ms against 2.01 without, and the down projection's best was
+# 128x256x64 w8 s4 at 1.17 ms against the autotuner's 1.23 (results/nvidia-h200/tune_v2/tune.csv).
 TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = MappingProxyType({
     ("_swiglu_fwd_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
     ("_swiglu_fwd_kernel", 9, 2048, 1024, True): MappingProxyType(
-        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "WARP_SPEC": 1}),
+    ("_down_fwd_kernel", 9, 2048, 1024, True): MappingProxyType(
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}),
     ("_swiglu_bwd_dw_kernel", 9, 2048, 1024, False): MappingProxyType(

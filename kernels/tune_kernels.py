@@ -227,7 +227,8 @@ def pinned_meta(name: str, inp: Inputs):
     """The `TUNED_GEMM_META` config the op launches by default for this workload, or None."""
     if not any(key[0] == name for key in swiglu_module.TUNED_GEMM_META):
         return None
-    tma = name == "_swiglu_fwd_kernel" and swiglu_module.use_tma(inp.w_gate_up)   # the one GEMM with both paths pinned
+    tma = ((name == "_swiglu_fwd_kernel" and swiglu_module.use_tma(inp.w_gate_up))    # the forwards' operand path
+           or (name == "_down_fwd_kernel" and swiglu_module.use_tma(inp.h, inp.w_down)))
     meta = swiglu_module.fixed_gemm_meta(inp.x.dtype, inp.rows.shape[0], name,
                                          (inp.x.shape[1], inp.w_gate_up.shape[1] // 2), inp.x.device, tma)
     return meta if any(meta is tuned for tuned in swiglu_module.TUNED_GEMM_META.values()) else None

@@ -73,6 +73,7 @@ def test_a_config_that_changes_the_result_is_marked_wrong(monkeypatch):
         return lambda: (x + (1.0 if swiglu_module._FORCED_META else 0.0),)
 
     monkeypatch.setattr(tune_kernels, "op_runner", fake_runner)
+    monkeypatch.setattr(tune_kernels, "pinned_meta", lambda name, inp: None)     # no real inputs here
     metas = [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2, "GROUP_SIZE": 8}]
     rows = tune_kernels.sweep_kernel("down_fwd", None, metas, 1.0, False, 1, 1, deadline=float("inf"))
     assert [row["status"] for row in rows] == ["ok", "wrong"]
@@ -137,5 +138,8 @@ def test_measured_configs_are_pinned_only_for_their_shape_dtype_size_and_archite
     assert meta(torch.bfloat16, many, fwd, (2048, 1024), cuda, True) is swiglu_module.TUNED_GEMM_META[(fwd, 9, 2048, 1024, True)]
     assert meta(torch.bfloat16, many, fwd, (2048, 1024), cuda) is swiglu_module.TUNED_GEMM_META[(fwd, 9, 2048, 1024, False)]
     assert meta(torch.bfloat16, many, name, (2048, 1024), cuda, True) is None           # no TMA entry for dx
+    down = "_down_fwd_kernel"
+    assert meta(torch.bfloat16, many, down, (2048, 1024), cuda, True) is swiglu_module.TUNED_GEMM_META[(down, 9, 2048, 1024, True)]
+    assert meta(torch.bfloat16, many, down, (2048, 1024), cuda) is None                 # pointer path: autotune
     capability[0] = (8, 0)
     assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is None
