@@ -179,6 +179,26 @@ def test_forward_weight_operand_paths_match_reference(tma, hidden, poisoned_empt
                                atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_backward_dx_operand_paths_match_reference(tma, bwd_mode, poisoned_empty):
+    """dx with F = 128 (a multiple of every BLOCK_K): in the materialised mode the dx GEMM loads
+    [dg | du] and the weights through tensor descriptors; the fused mode and `tma_disabled` use
+    pointers. Tiles cross experts (uneven pair counts); D = 40 is not a multiple of the N block."""
+    gen = torch.Generator().manual_seed(7)
+    rows, hidden, ffn, experts = 26, 40, 128, 3
+    routing = [torch.randperm(experts, generator=gen)[:2].tolist() if r % 3 else [1] for r in range(rows)]
+    pair_row, offsets = (t.to(DEVICE) for t in pairs_from_rows(routing, experts))
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE).requires_grad_()
+    w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).to(DEVICE).requires_grad_()
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    with contextlib.nullcontext() if tma else module.tma_disabled():
+        h = grouped_swiglu(x, pair_row, offsets, w)
+        grad_out = torch.randn(h.shape, generator=gen).to(DEVICE)
+        dx, dw = torch.autograd.grad(h, (x, w), grad_out)
+    _, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, grad_out)
+    torch.testing.assert_close(dx, dx_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dw, dw_ref, atol=1e-4, rtol=1e-4)
+
 def test_weights_without_a_descriptor_layout_load_through_pointers(poisoned_empty):
     """A weight whose last dim is not contiguous cannot back a tensor descriptor: the pointer path
     runs and gives the same result."""
@@ -276,7 +296,8 @@ def _compile_every_launch_for_sm90() -> int:
 
     gen = torch.Generator().manual_seed(0)
     cases = [(hidden, ffn, num_pairs, dtype, mode)
-             for hidden, ffn, num_pairs in ((64, 32, 9000), (48, 40, 100))   # autotuned / fixed-config paths
+             for hidden, ffn, num_pairs in ((64, 32, 9000), (48, 40, 100), (64, 128, 200))   # autotuned / fixed;
+             # F = 128: the TMA dx GEMM
              for dtype in (torch.bfloat16, torch.float32)
              for mode in modules[0].SWIGLU_BWD_MODES]
     # CPU tensors never take the TMA path on their own: record both operand paths of the forwards.
