@@ -41,7 +41,6 @@ import triton.language as tl
 from .combine import check_row_table, gather_sum_rows, row_csr, segment_sum_rows
 from .grouped_swiglu import (
     GROUP_M,
-    MAX_BLOCK_K,
     partial_dtype,
     SINGLE_ACC_CONFIGS,
     check_grouped_args,
@@ -118,8 +117,8 @@ def _down_bwd_dh_kernel(
     M, D, F, num_experts,
     stride_yr, stride_yd, stride_gm, stride_hm, stride_hf, stride_we, stride_wd, stride_wf,
     stride_dm, stride_df, stride_pn, stride_pm,
-    PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr, TMA: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
     pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(F, BLOCK_N), GROUP_SIZE)
@@ -134,30 +133,15 @@ def _down_bwd_dh_kernel(
     mask_n = offs_n < F
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = dy_ptr + rows[:, None] * stride_yr + offs_k[None, :] * stride_yd
+    b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wd + offs_n[None, :] * stride_wf
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA:
-        # Wd viewed as [E*D, F]. A K tail reads the next expert's rows against zero A columns; rows
-        # past the tile's end gather row 0 and are never stored, so A needs no M mask.
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * D, F], strides=[stride_wd, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
-        w_row = expert * D
-        n0 = pid_n * BLOCK_N
-        for k0 in range(0, D, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
-            acc = tl.dot(a, w_desc.load([w_row + k0, n0]), acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_yd
-    else:
-        b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wd + offs_n[None, :] * stride_wf
-        for k0 in range(0, D, BLOCK_K):
-            mask_k = offs_k < D - k0
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_yd
-            b_ptrs += BLOCK_K * stride_wd
+    for k0 in range(0, D, BLOCK_K):
+        mask_k = offs_k < D - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_yd
+        b_ptrs += BLOCK_K * stride_wd
     mask_mn = mask_m[:, None] & mask_n[None, :]
     h = tl.load(h_ptr + offs_m64[:, None] * stride_hm + offs_n[None, :] * stride_hf, mask=mask_mn, other=0.0)
     tl.store(dgp_ptr + pid_n * stride_pn + offs_m64 * stride_pm, tl.sum(acc * h.to(tl.float32), axis=1),
@@ -209,7 +193,7 @@ def _down_bwd_dw_kernel(
 _down_fwd_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F", "TMA"])(_down_fwd_kernel)
 # The autotuner runs every config on the same buffers: zero the partials between runs so rows of
 # F blocks that the chosen config does not have are not left over from another config.
-_down_bwd_dh_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F", "TMA"], reset_to_zero=["dgp_ptr"])(
+_down_bwd_dh_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F"], reset_to_zero=["dgp_ptr"])(
     _down_bwd_dh_kernel
 )
 _down_bwd_dw_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F"])(_down_bwd_dw_kernel)
@@ -326,15 +310,12 @@ def grouped_down_reduce_backward(
                 *dy_RD.stride(), *pair_gate_M.stride(), *h_MF.stride(), *w_down_EDF.stride(),
                 *dh_MF.stride(), *dgp_NM.stride(),
             )
-            tma = use_tma(w_down_EDF)
-            consts = dict(PRECISION=precision, GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts),
-                          TMA=tma, EVEN_K=hidden % MAX_BLOCK_K == 0)
+            consts = dict(PRECISION=precision, GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
 
             def grid_dh(meta):
                 return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"]),)
 
-            launch_gemm(_down_bwd_dh_tuned, _down_bwd_dh_kernel, grid_dh, args, consts, h_MF.dtype, num_pairs,
-                        (hidden, ffn) if tma else None)
+            launch_gemm(_down_bwd_dh_tuned, _down_bwd_dh_kernel, grid_dh, args, consts, h_MF.dtype, num_pairs)
             dgate_M = dgp_NM.sum(dim=0).to(pair_gate_M.dtype)
     if need_dw:
         if trivial:

@@ -94,6 +94,8 @@ GROUP_M = 8
 # (results/nvidia-h200/kernels_v3b/tune.csv), so that path has its own entries; with warp
 # specialisation that config ran 1.80 ms against 2.01 without, and the down projection's best was
 # 128x256x64 w8 s4 at 1.17 ms against the autotuner's 1.23 (results/nvidia-h200/tune_v2/tune.csv).
+# The TMA dx GEMM's best, 128x128x64 w8 s3, ran 2.51 ms against 2.73 for the best pointer config of
+# the same grid in the same call (results/nvidia-h200/tune_v3/tune.csv).
 TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = MappingProxyType({
     ("_swiglu_fwd_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
@@ -101,6 +103,8 @@ TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = M
         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "WARP_SPEC": 1}),
     ("_down_fwd_kernel", 9, 2048, 1024, True): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+    ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, True): MappingProxyType(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}),
     ("_swiglu_bwd_dw_kernel", 9, 2048, 1024, False): MappingProxyType(

@@ -230,7 +230,6 @@ def pinned_meta(name: str, inp: Inputs):
     ffn = inp.w_gate_up.shape[1] // 2          # the operand path each op takes (see its launcher)
     tma = ((name == "_swiglu_fwd_kernel" and swiglu_module.use_tma(inp.w_gate_up))
            or (name == "_down_fwd_kernel" and swiglu_module.use_tma(inp.h, inp.w_down))
-           or (name == "_down_bwd_dh_kernel" and swiglu_module.use_tma(inp.w_down))
            or (name == "_swiglu_bwd_dx_kernel" and ffn % swiglu_module.MAX_BLOCK_K == 0
                and swiglu_module.use_tma(inp.preact, inp.w_gate_up)))
     meta = swiglu_module.fixed_gemm_meta(inp.x.dtype, inp.rows.shape[0], name,
