@@ -199,9 +199,8 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-
 # ----------------------------------------------------------------------------------------------
-# TMA (tensor-descriptor) operands of the forward GEMMs
+# TMA (tensor-descriptor) operands: both forward GEMMs and the SwiGLU dx GEMM
 # ----------------------------------------------------------------------------------------------
 
 _TMA = [True]
@@ -209,8 +208,8 @@ _TMA = [True]
 
 @contextlib.contextmanager
 def tma_disabled():
-    """Inside the block the forward GEMMs load every operand through pointers (the pre-TMA path),
-    for A/B runs of the benchmark. Not thread-safe."""
+    """Inside the block every GEMM loads its operands through pointers (the pre-TMA path), for A/B
+    runs of the benchmark. Not thread-safe."""
     previous, _TMA[0] = _TMA[0], False
     try:
         yield
