@@ -234,7 +234,8 @@ def tma_matrix_ok(tensor: torch.Tensor) -> bool:
 
 
 def use_tma(*tensors: torch.Tensor) -> bool:
-    """TMA loads for these operands: Hopper or newer (or the interpreter, which emulates them),
+    """TMA loads for these operands: 16-bit operands on Hopper or newer (the measured case; fp32, a
+    correctness path on GPUs, keeps pointers), or any dtype in the interpreter, which emulates them;
     every operand descriptor-compatible, and not switched off by `tma_disabled`."""
     if not _TMA[0] or not all(tma_matrix_ok(t) for t in tensors):
         return False
@@ -242,6 +243,8 @@ def use_tma(*tensors: torch.Tensor) -> bool:
         return True
     device = tensors[0].device
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    if any(t.element_size() != 2 for t in tensors):
         return False
     _ensure_descriptor_allocator()
     return True

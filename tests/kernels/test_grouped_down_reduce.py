@@ -161,7 +161,7 @@ def test_forward_operand_paths_match_reference(case, tma, poisoned_empty):
     multiple of 32; tiles past an expert's pairs read the next expert's rows, which are not stored."""
     module = importlib.import_module("occult.kernels.grouped_swiglu")    # owns the TMA switch
     h, pair_row, gate, offsets, w, rows = make_case(case, torch.float32)
-    hopper = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9   # the interpreter emulates TMA
+    hopper = DEVICE == "cpu"     # the interpreter emulates TMA for any dtype; a GPU uses it for 16-bit only
     with contextlib.nullcontext() if tma else module.tma_disabled():
         assert module.use_tma(h, w) == (tma and hopper)
         y = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)

@@ -171,7 +171,7 @@ def test_forward_weight_operand_paths_match_reference(tma, hidden, poisoned_empt
     x = torch.randn(rows, hidden, generator=gen).to(DEVICE)
     w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).to(DEVICE)
     module = importlib.import_module("occult.kernels.grouped_swiglu")
-    hopper = DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9   # the interpreter emulates TMA
+    hopper = DEVICE == "cpu"     # the interpreter emulates TMA for any dtype; a GPU uses it for 16-bit only
     with contextlib.nullcontext() if tma else module.tma_disabled():
         assert module.use_tma(w) == (tma and hopper)
         h = grouped_swiglu(x, pair_row.to(DEVICE), offsets.to(DEVICE), w)
@@ -203,11 +203,12 @@ def test_weights_without_a_descriptor_layout_load_through_pointers(poisoned_empt
     """A weight whose last dim is not contiguous cannot back a tensor descriptor: the pointer path
     runs and gives the same result."""
     module = importlib.import_module("occult.kernels.grouped_swiglu")
-    x, pair_row, offsets, w = make_case("npow2", torch.float32)
+    x, pair_row, offsets, w = make_case("npow2", torch.float16)
     w_strided = w.transpose(1, 2).contiguous().transpose(1, 2)
-    assert module.use_tma(w) and not module.use_tma(w_strided)
-    torch.testing.assert_close(grouped_swiglu(x, pair_row, offsets, w_strided),
-                               grouped_swiglu_ref(x, pair_row, offsets, w), atol=1e-4, rtol=1e-4)
+    assert module.use_tma(w) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    assert not module.use_tma(w_strided)
+    torch.testing.assert_close(grouped_swiglu(x, pair_row, offsets, w_strided).float(),
+                               grouped_swiglu_ref(x.float(), pair_row, offsets, w.float()), atol=2e-2, rtol=1e-2)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["npow2", "hot_expert", "empty_experts"])
