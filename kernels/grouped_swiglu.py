@@ -250,6 +250,13 @@ def use_tma(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def swiglu_dx_uses_tma(preact_M2F: torch.Tensor, w_gate_up_E2FD: torch.Tensor, grads_ready: bool) -> bool:
+    """The dx GEMM's operand path: descriptors only for a materialised [dg | du] and F a multiple of
+    every BLOCK_K (else a dg tile's K tail would read du columns)."""
+    ffn = w_gate_up_E2FD.shape[1] // 2
+    return grads_ready and ffn % MAX_BLOCK_K == 0 and use_tma(preact_M2F, w_gate_up_E2FD)
+
+
 def _descriptor_scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -689,7 +696,7 @@ def grouped_swiglu_backward(
                 num_pairs, hidden, ffn, num_experts,
                 *dh_MF.stride(), *preact_M2F.stride(), *w_gate_up_E2FD.stride(), *dxp_MD.stride(),
             )
-            tma = ready and ffn % MAX_BLOCK_K == 0 and use_tma(preact_M2F, w_gate_up_E2FD)
+            tma = swiglu_dx_uses_tma(preact_M2F, w_gate_up_E2FD, ready)
             consts = dict(SCATTER_ROWS=scatter_rows, PRECISION=precision, GROUP_SIZE=GROUP_M,
                           EXPERTS_P2=triton.next_power_of_2(num_experts), GRADS_READY=ready, TMA=tma)
 
@@ -697,7 +704,7 @@ def grouped_swiglu_backward(
                 return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
             launch_gemm(_swiglu_bwd_dx_tuned, _swiglu_bwd_dx_kernel, grid_dx, args, consts, x_RD.dtype, num_pairs,
-                        measured_shape if not tma else (hidden, ffn))
+                        measured_shape)
             if scatter_rows:
                 dx_RD = dxp_MD
             elif row_pairs_RK is not None:

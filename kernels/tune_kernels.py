@@ -227,11 +227,9 @@ def pinned_meta(name: str, inp: Inputs):
     """The `TUNED_GEMM_META` config the op launches by default for this workload, or None."""
     if not any(key[0] == name for key in swiglu_module.TUNED_GEMM_META):
         return None
-    ffn = inp.w_gate_up.shape[1] // 2          # the operand path each op takes (see its launcher)
-    tma = ((name == "_swiglu_fwd_kernel" and swiglu_module.use_tma(inp.w_gate_up))
-           or (name == "_down_fwd_kernel" and swiglu_module.use_tma(inp.h, inp.w_down))
-           or (name == "_swiglu_bwd_dx_kernel" and ffn % swiglu_module.MAX_BLOCK_K == 0
-               and swiglu_module.use_tma(inp.preact, inp.w_gate_up)))
+    tma = ((name == "_swiglu_fwd_kernel" and swiglu_module.use_tma(inp.w_gate_up))      # the operand path
+           or (name == "_down_fwd_kernel" and swiglu_module.use_tma(inp.h, inp.w_down))    # each op's launcher takes
+           or (name == "_swiglu_bwd_dx_kernel" and swiglu_module.swiglu_dx_uses_tma(inp.preact, inp.w_gate_up, True)))
     meta = swiglu_module.fixed_gemm_meta(inp.x.dtype, inp.rows.shape[0], name,
                                          (inp.x.shape[1], inp.w_gate_up.shape[1] // 2), inp.x.device, tma)
     return meta if any(meta is tuned for tuned in swiglu_module.TUNED_GEMM_META.values()) else None

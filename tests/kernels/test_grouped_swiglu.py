@@ -161,14 +161,19 @@ def test_opcheck_registrations():
 @pytest.mark.parametrize("hidden", [40, 128])
 def test_forward_weight_operand_paths_match_reference(tma, hidden, poisoned_empty):
     """Both ways the forward loads the weights: tensor descriptors (the default where their layout
-    allows) and pointers. D = 40 leaves a K tail after the 16-wide blocks (masked A loads); D = 128
+    allows) and pointers. D = 40 leaves a K tail after the 16-wide blocks (masked A loads, checked
+    against NaN past the row's end); D = 128
     is a multiple of every BLOCK_K (unmasked); F = 24 is not a multiple of the N block, so the gate
     tile's last columns read up-projection rows that are not stored."""
     gen = torch.Generator().manual_seed(hidden)
     rows, ffn, experts = 30, 24, 4
     routing = [torch.randperm(experts, generator=gen)[:2].tolist() if r % 4 else [3] for r in range(rows)]
     pair_row, offsets = pairs_from_rows(routing, experts)
-    x = torch.randn(rows, hidden, generator=gen).to(DEVICE)
+    # x's rows sit in a wider buffer whose extra columns are NaN: a K tail that reads past D would
+    # turn the output NaN even where the weights' side of the product is zero
+    padded = torch.full((rows, hidden + 8), float("nan"))
+    padded[:, :hidden] = torch.randn(rows, hidden, generator=gen)
+    x = padded.to(DEVICE)[:, :hidden]
     w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).to(DEVICE)
     module = importlib.import_module("occult.kernels.grouped_swiglu")
     hopper = DEVICE == "cpu"     # the interpreter emulates TMA for any dtype; a GPU uses it for 16-bit only
