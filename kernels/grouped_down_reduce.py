@@ -46,9 +46,12 @@ from .grouped_swiglu import (
     check_grouped_args,
     dot_precision,
     expert_tile,
+    expert_tile_table,
     fixed_gemm_meta,
+    gemm_programs,
     kernel_name,
     launch_gemm,
+    locate_tile,
     m_tile_bound,
     swizzle_tiles,
     use_tma,
@@ -67,19 +70,18 @@ def _down_fwd_kernel(
     stride_hm, stride_hf, stride_gm, stride_we, stride_wd, stride_wf, stride_ym, stride_yd,
     SCATTER_ROWS: tl.constexpr, TMA: tl.constexpr,
     PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARP_SPEC: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARP_SPEC: tl.constexpr = 0,
+    PERSISTENT: tl.constexpr = False,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
-    pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_SIZE)
-    expert, start, end = expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
-    if expert >= num_experts:
-        return
-    offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    offs_m64 = offs_m.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < D
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Each program walks output tiles pid, pid + programs, ...: one tile (or none) with a grid of
+    # the tile bound, several with a persistent grid of one program per SM, where the tile loop
+    # and the K loop are flattened into one pipelined loop (the next tile's loads are issued
+    # while this tile's epilogue runs). WARP_SPEC 1: producer/consumer warps on the K loop, 2: on
+    # the flattened loop.
+    lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+    num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+    num_pid_n = tl.cdiv(D, BLOCK_N)
+    programs = tl.num_programs(0)
     if TMA:
         # h [M, F] and Wd viewed as [E*D, F]: rows past the expert's pairs (or its D rows) belong
         # to the next expert and land in masked-out outputs; reads past the tensors are zeros.
@@ -87,28 +89,48 @@ def _down_fwd_kernel(
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * D, F], strides=[stride_wd, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-        w_row = expert * D + pid_n * BLOCK_N
-        for k0 in tl.range(0, F, BLOCK_K, warp_specialize=WARP_SPEC != 0):   # WARP_SPEC: producer/consumer warps
-            acc = tl.dot(h_desc.load([start.to(tl.int32), k0]), w_desc.load([w_row, k0]).T, acc, input_precision=PRECISION)
-    else:
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = h_ptr + offs_m64[:, None] * stride_hm + offs_k[None, :] * stride_hf
-        b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wd + offs_k[:, None] * stride_wf
-        for k0 in range(0, F, BLOCK_K):
-            mask_k = offs_k < F - k0
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_hf
-            b_ptrs += BLOCK_K * stride_wf
-    gate = tl.load(gate_ptr + offs_m64 * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
-    acc = acc * gate[:, None]
-    if SCATTER_ROWS:   # one pair per row: write the row itself, in the output dtype
-        out_m = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    else:              # the pair's own row, reduced afterwards
-        out_m = offs_m64
-    tl.store(yp_ptr + out_m[:, None] * stride_ym + offs_n[None, :] * stride_yd, acc.to(yp_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    # The epilogue finds its tile from its own counter, so the flattened loop's prefetch of the
+    # next tile does not wait on this tile's index math.
+    tile_out = tl.program_id(0) - programs
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=PERSISTENT,
+                         warp_specialize=WARP_SPEC == 2):
+        pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
+        expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if TMA:
+            w_row = expert * D + pid_n * BLOCK_N
+            for k0 in tl.range(0, F, BLOCK_K, warp_specialize=WARP_SPEC == 1):
+                acc = tl.dot(h_desc.load([start.to(tl.int32), k0]), w_desc.load([w_row, k0]).T, acc,
+                             input_precision=PRECISION)
+        else:
+            offs_m = start + tl.arange(0, BLOCK_M)
+            mask_m = offs_m < end
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            offs_k = tl.arange(0, BLOCK_K)
+            a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :] * stride_hf
+            b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wd
+                      + offs_k[:, None] * stride_wf)
+            for k0 in range(0, F, BLOCK_K):
+                mask_k = offs_k < F - k0
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=mask_k[:, None] & (offs_n < D)[None, :], other=0.0)
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                a_ptrs += BLOCK_K * stride_hf
+                b_ptrs += BLOCK_K * stride_wf
+        tile_out += programs
+        pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
+        _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < end
+        offs_m64 = offs_m.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        gate = tl.load(gate_ptr + offs_m64 * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
+        if SCATTER_ROWS:   # one pair per row: write the row itself, in the output dtype
+            out_m = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        else:              # the pair's own row, reduced afterwards
+            out_m = offs_m64
+        tl.store(yp_ptr + out_m[:, None] * stride_ym + offs_n[None, :] * stride_yd,
+                 (acc * gate[:, None]).to(yp_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < D)[None, :])
 
 
 @triton.jit
@@ -154,9 +176,9 @@ def _down_bwd_dh_kernel(
 @triton.jit
 def _down_bwd_dw_kernel(
     dy_ptr, row_ptr, gate_ptr, h_ptr, offsets_ptr, dw_ptr,
-    D, F,
+    M, D, F,
     stride_yr, stride_yd, stride_gm, stride_hm, stride_hf, stride_we, stride_wd, stride_wf,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Output tile [BLOCK_M of D, BLOCK_N of F] of expert e; the reduction runs over e's pairs.
@@ -166,14 +188,19 @@ def _down_bwd_dw_kernel(
     expert = pid // (tiles_d * tiles_f)
     pid_d = (pid % (tiles_d * tiles_f)) // tiles_f
     pid_f = pid % tiles_f
-    lo = tl.load(offsets_ptr + expert)
-    hi = tl.load(offsets_ptr + expert + 1)
+    lo = tl.load(offsets_ptr + expert).to(tl.int32)     # pair counts fit int32; descriptor offsets need it
+    hi = tl.load(offsets_ptr + expert + 1).to(tl.int32)
     offs_d = pid_d * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_d = offs_d < D
     offs_f = pid_f * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_f = offs_f < F
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        # h [M, F] in expert order: the last K block's rows past the expert's pairs are the next
+        # expert's (or zeros past M), and meet zero rows of the scaled dy (finite h assumed).
+        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, F], strides=[stride_hm, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
     for k0 in range(lo, hi, BLOCK_K):
         pairs = k0 + offs_k
         mask_k = pairs < hi
@@ -182,8 +209,11 @@ def _down_bwd_dw_kernel(
         gate = tl.load(gate_ptr + pairs64 * stride_gm, mask=mask_k, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_yr + offs_d[None, :] * stride_yd,
                      mask=mask_k[:, None] & mask_d[None, :], other=0.0)
-        h = tl.load(h_ptr + pairs64[:, None] * stride_hm + offs_f[None, :] * stride_hf,
-                    mask=mask_k[:, None] & mask_f[None, :], other=0.0)
+        if TMA:
+            h = h_desc.load([k0, pid_f * BLOCK_N])
+        else:
+            h = tl.load(h_ptr + pairs64[:, None] * stride_hm + offs_f[None, :] * stride_hf,
+                        mask=mask_k[:, None] & mask_f[None, :], other=0.0)
         scaled = (dy.to(tl.float32) * gate[:, None]).to(h.dtype)
         acc = tl.dot(tl.trans(scaled), h, acc, input_precision=PRECISION)
     tl.store(dw_ptr + expert.to(tl.int64) * stride_we + offs_d[:, None] * stride_wd + offs_f[None, :] * stride_wf,
@@ -196,7 +226,7 @@ _down_fwd_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F
 _down_bwd_dh_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F"], reset_to_zero=["dgp_ptr"])(
     _down_bwd_dh_kernel
 )
-_down_bwd_dw_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F"])(_down_bwd_dw_kernel)
+_down_bwd_dw_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F", "TMA"])(_down_bwd_dw_kernel)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -260,7 +290,8 @@ def grouped_down_reduce_forward(
                   GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
 
     def grid(meta):
-        return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
+        tiles = m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"])
+        return (gemm_programs(tiles, meta, h_MF.device),)
 
     launch_gemm(_down_fwd_tuned, _down_fwd_kernel, grid, args, consts, h_MF.dtype, num_pairs, (hidden, ffn))
     if scatter_rows:
@@ -324,15 +355,15 @@ def grouped_down_reduce_backward(
             dw_EDF = torch.empty(num_experts, hidden, ffn, dtype=w_down_EDF.dtype, device=h_MF.device)
             args = (
                 dy_RD, pair_row_M, pair_gate_M, h_MF, expert_offsets, dw_EDF,
-                hidden, ffn,
+                num_pairs, hidden, ffn,
                 *dy_RD.stride(), *pair_gate_M.stride(), *h_MF.stride(), *dw_EDF.stride(),
             )
 
             def grid_dw(meta):
                 return (num_experts * triton.cdiv(hidden, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"]),)
 
-            launch_gemm(_down_bwd_dw_tuned, _down_bwd_dw_kernel, grid_dw, args, dict(PRECISION=precision),
-                        h_MF.dtype, num_pairs)
+            launch_gemm(_down_bwd_dw_tuned, _down_bwd_dw_kernel, grid_dw, args,
+                        dict(PRECISION=precision, TMA=use_tma(h_MF)), h_MF.dtype, num_pairs, (hidden, ffn))
     return dh_MF, dgate_M, dw_EDF
 
 

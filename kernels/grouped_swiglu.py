@@ -41,6 +41,7 @@ TRITON_INTERPRET=1 one config with 16-wide blocks is used, decided at launch tim
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -275,20 +276,35 @@ def _ensure_descriptor_allocator() -> None:
 
 
 @triton.jit
-def expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr):
-    """(expert, first pair, end pair) of M-tile `pid_m`; expert ≥ num_experts means idle."""
+def expert_tile_table(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """Per expert lane: (first pair, end pair, first M-tile, end M-tile) in the tile order (experts
+    in order, ceil(count / BLOCK_M) tiles each); lanes past num_experts own nothing. The number of
+    M-tiles is `tl.max` of the last."""
     e_idx = tl.arange(0, EXPERTS_P2)
     is_expert = e_idx < num_experts
     lo = tl.load(offsets_ptr + e_idx, mask=is_expert, other=0)
     hi = tl.load(offsets_ptr + e_idx + 1, mask=is_expert, other=0)
     tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
     tiles_end = tl.cumsum(tiles, axis=0)
+    return lo, hi, tiles_end - tiles, tiles_end
+
+
+@triton.jit
+def locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """(expert, first pair, end pair) of M-tile `pid_m` from `expert_tile_table`; expert ≥ the
+    number of experts means past the last tile."""
     expert = tl.sum((tiles_end <= pid_m).to(tl.int32), axis=0)
-    mine = e_idx == expert
-    tile_in_expert = pid_m - tl.sum(tl.where(mine, tiles_end - tiles, 0), axis=0)
-    start = tl.sum(tl.where(mine, lo, 0), axis=0) + tile_in_expert * BLOCK_M
+    mine = tl.arange(0, EXPERTS_P2) == expert
+    start = tl.sum(tl.where(mine, lo + (pid_m - tiles_start) * BLOCK_M, 0), axis=0)
     end = tl.sum(tl.where(mine, hi, 0), axis=0)
     return expert, start, end
+
+
+@triton.jit
+def expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """(expert, first pair, end pair) of M-tile `pid_m`; expert ≥ num_experts means idle."""
+    lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+    return locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
 
 
 @triton.jit
@@ -305,6 +321,21 @@ def swizzle_tiles(pid, num_pid_m, num_pid_n, GROUP_SIZE: tl.constexpr):
 def m_tile_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of Σ_e ceil(count_e / block_m), known without reading the counts."""
     return triton.cdiv(num_pairs, block_m) + num_experts
+
+
+def gemm_programs(tile_bound: int, meta: Mapping[str, int], device: torch.device) -> int:
+    """Programs to launch over at most `tile_bound` output tiles: one per tile, or with a
+    `PERSISTENT` config one per SM (3 in the interpreter, so that its programs loop over tiles)."""
+    if not meta.get("PERSISTENT"):
+        return tile_bound
+    return max(1, min(tile_bound, _multiprocessors(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    if interpreting() or device.type != "cuda":
+        return 3
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def check_grouped_args(op: str, pair_row_M: torch.Tensor, expert_offsets: torch.Tensor, weight: torch.Tensor,
@@ -340,22 +371,13 @@ def _swiglu_fwd_kernel(
     stride_xr, stride_xd, stride_we, stride_wf, stride_wd, stride_hm, stride_hf, stride_pm, stride_pf,
     SAVE_PREACT: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    WARP_SPEC: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = 0, PERSISTENT: tl.constexpr = False,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
-    pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(F, BLOCK_N), GROUP_SIZE)
-    expert, start, end = expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
-    if expert >= num_experts:
-        return
-    offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < F
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + rows[:, None] * stride_xr + offs_k[None, :] * stride_xd
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # Tile loop, PERSISTENT and WARP_SPEC as in `_down_fwd_kernel` (grouped_down_reduce.py).
+    lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+    num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+    num_pid_n = tl.cdiv(F, BLOCK_N)
+    programs = tl.num_programs(0)
     if TMA:
         # W viewed as [E*2F, D]; gate rows of this tile at e*2F + n, up rows F further. Columns
         # past D read zeros; rows past the expert's F are other weights, in masked-out columns.
@@ -363,37 +385,58 @@ def _swiglu_fwd_kernel(
         # loads need a mask only for a K tail.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * F, D], strides=[stride_wf, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-        gate_row = expert * 2 * F + pid_n * BLOCK_N
-        for k0 in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC != 0):   # WARP_SPEC: producer/consumer warps
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
-            acc_g = tl.dot(a, w_desc.load([gate_row, k0]).T, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, w_desc.load([gate_row + F, k0]).T, acc_u, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_xd
-    else:
-        bg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wd
-        bu_ptrs = bg_ptrs + F * stride_wf
-        for k0 in range(0, D, BLOCK_K):
-            mask_k = offs_k < D - k0
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
-            a_ptrs += BLOCK_K * stride_xd
-            bg_ptrs += BLOCK_K * stride_wd
-            bu_ptrs += BLOCK_K * stride_wd
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    mask_mn = mask_m[:, None] & mask_n[None, :]
-    offs_m64 = offs_m.to(tl.int64)
-    tl.store(h_ptr + offs_m64[:, None] * stride_hm + offs_n[None, :] * stride_hf,
-             h.to(h_ptr.dtype.element_ty), mask=mask_mn)
-    if SAVE_PREACT:
-        pre_ptrs = pre_ptr + offs_m64[:, None] * stride_pm + offs_n[None, :] * stride_pf
-        tl.store(pre_ptrs, acc_g.to(pre_ptr.dtype.element_ty), mask=mask_mn)
-        tl.store(pre_ptrs + F * stride_pf, acc_u.to(pre_ptr.dtype.element_ty), mask=mask_mn)
+    offs_k = tl.arange(0, BLOCK_K)
+    tile_out = tl.program_id(0) - programs
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=PERSISTENT,
+                         warp_specialize=WARP_SPEC == 2):
+        pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
+        expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < end
+        rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        a_ptrs = x_ptr + rows[:, None] * stride_xr + offs_k[None, :] * stride_xd
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if TMA:
+            gate_row = expert * 2 * F + pid_n * BLOCK_N
+            for k0 in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC == 1):
+                if EVEN_K:
+                    a = tl.load(a_ptrs)
+                else:
+                    a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
+                acc_g = tl.dot(a, w_desc.load([gate_row, k0]).T, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, w_desc.load([gate_row + F, k0]).T, acc_u, input_precision=PRECISION)
+                a_ptrs += BLOCK_K * stride_xd
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < F
+            bg_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wf
+                       + offs_k[:, None] * stride_wd)
+            bu_ptrs = bg_ptrs + F * stride_wf
+            for k0 in range(0, D, BLOCK_K):
+                mask_k = offs_k < D - k0
+                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+                acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+                acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+                a_ptrs += BLOCK_K * stride_xd
+                bg_ptrs += BLOCK_K * stride_wd
+                bu_ptrs += BLOCK_K * stride_wd
+        tile_out += programs
+        pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
+        _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+        offs_m = start + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_mn = (offs_m < end)[:, None] & (offs_n < F)[None, :]
+        offs_m64 = offs_m.to(tl.int64)
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(h_ptr + offs_m64[:, None] * stride_hm + offs_n[None, :] * stride_hf,
+                 h.to(h_ptr.dtype.element_ty), mask=mask_mn)
+        if SAVE_PREACT:
+            pre_ptrs = pre_ptr + offs_m64[:, None] * stride_pm + offs_n[None, :] * stride_pf
+            tl.store(pre_ptrs, acc_g.to(pre_ptr.dtype.element_ty), mask=mask_mn)
+            tl.store(pre_ptrs + F * stride_pf, acc_u.to(pre_ptr.dtype.element_ty), mask=mask_mn)
 
 
 @triton.jit
@@ -504,9 +547,9 @@ def _swiglu_bwd_dx_kernel(
 @triton.jit
 def _swiglu_bwd_dw_kernel(
     dh_ptr, pre_ptr, x_ptr, row_ptr, offsets_ptr, dw_ptr,
-    D, F,
+    M, D, F,
     stride_dm, stride_df, stride_pm, stride_pf, stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
-    PRECISION: tl.constexpr, GRADS_READY: tl.constexpr,
+    PRECISION: tl.constexpr, GRADS_READY: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     # Output tile [BLOCK_M of F, BLOCK_N of D] of expert e; the reduction runs over e's pairs.
@@ -516,8 +559,8 @@ def _swiglu_bwd_dw_kernel(
     expert = pid // (tiles_f * tiles_d)
     pid_f = (pid % (tiles_f * tiles_d)) // tiles_d
     pid_d = pid % tiles_d
-    lo = tl.load(offsets_ptr + expert)
-    hi = tl.load(offsets_ptr + expert + 1)
+    lo = tl.load(offsets_ptr + expert).to(tl.int32)     # pair counts fit int32; descriptor offsets need it
+    hi = tl.load(offsets_ptr + expert + 1).to(tl.int32)
     offs_f = pid_f * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_f = offs_f < F
     offs_d = pid_d * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -525,13 +568,22 @@ def _swiglu_bwd_dw_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        # Only with [dg | du] materialised ([M, 2F] in expert order): the last K block's rows past
+        # the expert's pairs are the next expert's (or zeros past M) and meet zero x rows (finite
+        # values assumed); a dg tile's columns past F are du's, in masked-out rows of dW.
+        g_desc = tl.make_tensor_descriptor(pre_ptr, shape=[M, 2 * F], strides=[stride_pm, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])
     for k0 in range(lo, hi, BLOCK_K):
         pairs = k0 + offs_k
         mask_k = pairs < hi
         pairs64 = pairs.to(tl.int64)
         mask_kf = mask_k[:, None] & mask_f[None, :]
         g_ptrs = pre_ptr + pairs64[:, None] * stride_pm + offs_f[None, :] * stride_pf
-        if GRADS_READY:     # pre_ptr holds [dg | du]
+        if TMA:
+            dg = g_desc.load([k0, pid_f * BLOCK_M])
+            du = g_desc.load([k0, F + pid_f * BLOCK_M])
+        elif GRADS_READY:     # pre_ptr holds [dg | du]
             dg = tl.load(g_ptrs, mask=mask_kf, other=0.0)
             du = tl.load(g_ptrs + F * stride_pf, mask=mask_kf, other=0.0)
         else:
@@ -555,7 +607,7 @@ def _swiglu_bwd_dw_kernel(
 _swiglu_fwd_tuned = triton.autotune(configs=list(SWIGLU_FWD_CONFIGS), key=["D", "F", "TMA"])(_swiglu_fwd_kernel)
 _swiglu_bwd_dx_tuned = triton.autotune(configs=list(SWIGLU_DX_CONFIGS), key=["D", "F", "GRADS_READY", "TMA"])(
     _swiglu_bwd_dx_kernel)
-_swiglu_bwd_dw_tuned = triton.autotune(configs=list(SWIGLU_DW_CONFIGS), key=["D", "F", "GRADS_READY"])(
+_swiglu_bwd_dw_tuned = triton.autotune(configs=list(SWIGLU_DW_CONFIGS), key=["D", "F", "GRADS_READY", "TMA"])(
     _swiglu_bwd_dw_kernel)
 
 # How the backward gets dg, du:
@@ -634,7 +686,8 @@ def grouped_swiglu_forward(
                   GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
 
     def grid(meta):
-        return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"]),)
+        tiles = m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"])
+        return (gemm_programs(tiles, meta, x_RD.device),)
 
     launch_gemm(_swiglu_fwd_tuned, _swiglu_fwd_kernel, grid, args, consts, x_RD.dtype, num_pairs,
                 (hidden, ffn))
@@ -719,7 +772,7 @@ def grouped_swiglu_backward(
             dw_E2FD = torch.empty(num_experts, two_f, hidden, dtype=w_gate_up_E2FD.dtype, device=x_RD.device)
             args = (
                 dh_MF, preact_M2F, x_RD, pair_row_M, expert_offsets, dw_E2FD,
-                hidden, ffn,
+                num_pairs, hidden, ffn,
                 *dh_MF.stride(), *preact_M2F.stride(), *x_RD.stride(), *dw_E2FD.stride(),
             )
 
@@ -727,7 +780,8 @@ def grouped_swiglu_backward(
                 return (num_experts * triton.cdiv(ffn, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
             launch_gemm(_swiglu_bwd_dw_tuned, _swiglu_bwd_dw_kernel, grid_dw, args,
-                        dict(PRECISION=precision, GRADS_READY=ready), x_RD.dtype, num_pairs, measured_shape)
+                        dict(PRECISION=precision, GRADS_READY=ready, TMA=ready and use_tma(preact_M2F)), x_RD.dtype,
+                        num_pairs, measured_shape)
     return dx_RD, dw_E2FD
 
 

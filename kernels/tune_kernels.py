@@ -229,7 +229,9 @@ def pinned_meta(name: str, inp: Inputs):
         return None
     tma = ((name == "_swiglu_fwd_kernel" and swiglu_module.use_tma(inp.w_gate_up))      # the operand path
            or (name == "_down_fwd_kernel" and swiglu_module.use_tma(inp.h, inp.w_down))    # each op's launcher takes
-           or (name == "_swiglu_bwd_dx_kernel" and swiglu_module.swiglu_dx_uses_tma(inp.preact, inp.w_gate_up, True)))
+           or (name == "_swiglu_bwd_dx_kernel" and swiglu_module.swiglu_dx_uses_tma(inp.preact, inp.w_gate_up, True))
+           or (name == "_swiglu_bwd_dw_kernel" and swiglu_module.use_tma(inp.preact))      # materialised [dg | du]
+           or (name == "_down_bwd_dw_kernel" and swiglu_module.use_tma(inp.h)))
     meta = swiglu_module.fixed_gemm_meta(inp.x.dtype, inp.rows.shape[0], name,
                                          (inp.x.shape[1], inp.w_gate_up.shape[1] // 2), inp.x.device, tma)
     return meta if any(meta is tuned for tuned in swiglu_module.TUNED_GEMM_META.values()) else None
@@ -249,6 +251,25 @@ def _forced(run: Callable[[], object], name: str, meta: dict[str, int]) -> Calla
     return call
 
 
+def parse_config(text: str) -> dict[str, int]:
+    """`128x256x64:w8:s4:PERSISTENT=1` as a forced meta dict (blocks, warps, stages, constexprs)."""
+    blocks, *rest = text.split(":")
+    try:
+        bm, bn, bk = (int(v) for v in blocks.split("x"))
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+        for item in rest:
+            if item[:1] in "ws" and item[1:].isdigit():
+                meta["num_warps" if item[0] == "w" else "num_stages"] = int(item[1:])
+            else:
+                key, value = item.split("=", 1)
+                meta[key] = int(value)
+    except ValueError:
+        raise ValueError(f"{text!r} is not BMxBNxBK:wW:sS[:KEY=INT...]") from None
+    if "num_warps" not in meta or "num_stages" not in meta:
+        raise ValueError(f"{text!r} names no warps (wN) or stages (sN)")
+    return meta
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="long-format CSV (rows are appended)")
@@ -266,6 +287,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-ms", type=int, default=10)
     parser.add_argument("--rep-ms", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--configs", nargs="+", default=None, metavar="BMxBNxBK:wW:sS[:KEY=INT...]",
+                        help="time exactly these configs (e.g. 128x256x64:w8:s4:PERSISTENT=1) instead of the grid")
     parser.add_argument("--extra-meta", nargs="+", default=[], metavar="KEY=INT",
                         help="constexprs added to every forced config, e.g. WARP_SPEC=1 (the kernel must take them)")
     args = parser.parse_args(argv)
@@ -274,6 +297,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         parser.error(f"--extra-meta: expected KEY=INT items, got {args.extra_meta}")
     check_workload_args(parser, args)
+    if args.configs is not None:
+        try:
+            args.configs = [parse_config(item) for item in args.configs]
+        except ValueError as exc:
+            parser.error(f"--configs: {exc}")
     if args.max_configs < 0:
         parser.error(f"--max-configs must be >= 0, got {args.max_configs}")
     if args.smoke:
@@ -306,10 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         # Each kernel may run until its share of the limit is used; time a kernel leaves goes on.
         deadline = start + args.time_limit_s * (position + 1) / len(args.kernels)
         spec = KERNELS[kernel]
-        metas = candidates(spec, blocks=tuple(args.blocks), block_k=tuple(args.block_k), warps=tuple(args.warps),
-                           stages=tuple(args.stages), group_sizes=tuple(args.group_sizes),
-                           elem_bytes=inp.x.element_size(), smem_kib=args.smem_kib, limit=args.max_configs,
-                           seed=args.seed)
+        if args.configs is not None:
+            metas = [dict(meta) for meta in args.configs]
+        else:
+            metas = candidates(spec, blocks=tuple(args.blocks), block_k=tuple(args.block_k), warps=tuple(args.warps),
+                               stages=tuple(args.stages), group_sizes=tuple(args.group_sizes),
+                               elem_bytes=inp.x.element_size(), smem_kib=args.smem_kib, limit=args.max_configs,
+                               seed=args.seed)
         metas = [{**meta, **args.extra_meta} for meta in metas]
         print(f"tune_kernels: {kernel}: {len(metas)} configs + the autotuner's pick (+ the pinned default)", file=sys.stderr, flush=True)
         flops = spec.flops(num_pairs, args.hidden, args.ffn)

@@ -155,15 +155,36 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 @pytest.mark.parametrize("case", ["npow2", "empty_experts", "one_row"])
-def test_forward_operand_paths_match_reference(case, tma, poisoned_empty):
-    """Both ways the forward loads h and the weights: tensor descriptors (the default where their
-    layout allows) and pointers. F = 40 and 24 leave K tails after 16-wide blocks; D = 48 is not a
-    multiple of 32; tiles past an expert's pairs read the next expert's rows, which are not stored."""
+def test_operand_paths_match_reference(case, tma, poisoned_empty):
+    """Both ways the forward and the dW GEMM load h (and the forward the weights): tensor
+    descriptors (the default where their layout allows) and pointers. F = 40 and 24 leave K tails
+    after 16-wide blocks; D = 48 is not a multiple of 32; tiles past an expert's pairs read the
+    next expert's rows, which are not stored (forward) or meet zero dy rows (dW)."""
     module = importlib.import_module("occult.kernels.grouped_swiglu")    # owns the TMA switch
     h, pair_row, gate, offsets, w, rows = make_case(case, torch.float32)
+    h.requires_grad_()
+    gate.requires_grad_()
+    w.requires_grad_()
     hopper = DEVICE == "cpu"     # the interpreter emulates TMA for any dtype; a GPU uses it for 16-bit only
+    grad_out = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with contextlib.nullcontext() if tma else module.tma_disabled():
         assert module.use_tma(h, w) == (tma and hopper)
+        y = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)
+        grads = torch.autograd.grad(y, (h, gate, w), grad_out)
+    for got, want in zip((y, *grads), reference_grads(h, pair_row, gate, offsets, w, rows, grad_out)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("case", ["npow2", "empty_experts", "hot_expert", "all_experts"])
+def test_persistent_forward_matches_reference(case, tma, poisoned_empty):
+    """A PERSISTENT config launches fewer programs than tiles (3 in the interpreter, one per SM
+    on a GPU): each program loops over its tiles, and every tile is written exactly once."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    h, pair_row, gate, offsets, w, rows = make_case(case, torch.float32)
+    meta = {**module.fixed_gemm_meta(torch.float32, h.shape[0]), "PERSISTENT": 1}
+    with module.forced_gemm_meta("_down_fwd_kernel", meta), \
+            contextlib.nullcontext() if tma else module.tma_disabled():
         y = grouped_down_reduce(h, pair_row, gate, offsets, w, rows)
     torch.testing.assert_close(y, grouped_down_reduce_ref(h, pair_row, gate, offsets, w, rows), atol=1e-4, rtol=1e-4)
 
@@ -181,6 +202,26 @@ def test_operands_without_a_descriptor_layout_load_through_pointers(poisoned_emp
 def test_bf16_on_gpu(case):
     h, pair_row, gate, offsets, w, rows = make_case(case, torch.bfloat16, gate_dtype=torch.float32)
     _check_bf16(h, pair_row, gate, offsets, w, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warp_spec", [0, 2], ids=["pipelined", "warp_specialized"])
+def test_persistent_forward_bf16_on_gpu(warp_spec):
+    """The persistent tile loop (one program per SM) with descriptor operands, flattened and
+    software-pipelined or warp-specialised, against fp32 (forward and gradients)."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    meta = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1,
+            "WARP_SPEC": warp_spec}
+    gen = torch.Generator().manual_seed(4)
+    rows, hidden, ffn, experts = 3500, 256, 192, 8
+    routing = [torch.randperm(experts, generator=gen)[:3].tolist() for _ in range(rows)]
+    routing[:1000] = [[5, 1]] * 1000
+    pair_row, offsets = pairs_from_rows(routing, experts)
+    h = torch.randn(pair_row.numel(), ffn, generator=gen).cuda().bfloat16()
+    gate = torch.rand(pair_row.numel(), generator=gen).cuda()
+    w = (torch.randn(experts, hidden, ffn, generator=gen) / math.sqrt(ffn)).cuda().bfloat16()
+    with module.forced_gemm_meta("_down_fwd_kernel", meta):
+        _check_bf16(h, pair_row.cuda(), gate, offsets.cuda(), w, rows)
 
 
 @pytest.mark.gpu

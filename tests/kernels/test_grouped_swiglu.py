@@ -185,6 +185,27 @@ def test_forward_weight_operand_paths_match_reference(tma, hidden, poisoned_empt
 
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("case", ["npow2", "empty_experts", "hot_expert"])
+def test_persistent_forward_matches_reference(case, tma, poisoned_empty):
+    """A PERSISTENT forward config (3 programs in the interpreter, one per SM on a GPU) loops each
+    program over several tiles; h and the saved pre-activations (checked through dx and dW) are
+    those of the reference."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    x, pair_row, offsets, w = make_case(case, torch.float32)
+    x.requires_grad_()
+    w.requires_grad_()
+    meta = {**module.fixed_gemm_meta(torch.float32, pair_row.numel()), "PERSISTENT": 1}
+    with module.forced_gemm_meta("_swiglu_fwd_kernel", meta), \
+            contextlib.nullcontext() if tma else module.tma_disabled():
+        h = grouped_swiglu(x, pair_row, offsets, w)
+    grad_out = torch.randn(h.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    dx, dw = torch.autograd.grad(h, (x, w), grad_out)
+    h_ref, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, grad_out)
+    for got, want in ((h, h_ref), (dx, dx_ref), (dw, dw_ref)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 def test_backward_dx_operand_paths_match_reference(tma, bwd_mode, poisoned_empty):
     """dx with F = 128 (a multiple of every BLOCK_K): in the materialised mode the dx GEMM loads
     [dg | du] and the weights through tensor descriptors; the fused mode and `tma_disabled` use
@@ -220,6 +241,25 @@ def test_weights_without_a_descriptor_layout_load_through_pointers(poisoned_empt
 def test_bf16_on_gpu(case, bwd_mode):
     x, pair_row, offsets, w = make_case(case, torch.bfloat16)
     _check_bf16(x, pair_row, offsets, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warp_spec", [0, 2], ids=["pipelined", "warp_specialized"])
+def test_persistent_forward_bf16_on_gpu(warp_spec):
+    """The persistent tile loop (one program per SM) with descriptor operands, flattened and
+    software-pipelined or warp-specialised, against fp32 (forward and gradients)."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    meta = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1,
+            "WARP_SPEC": warp_spec}
+    gen = torch.Generator().manual_seed(4)
+    rows, hidden, ffn, experts = 3500, 256, 192, 8
+    routing = [torch.randperm(experts, generator=gen)[:3].tolist() for _ in range(rows)]
+    routing[:1000] = [[5, 1]] * 1000
+    pair_row, offsets = pairs_from_rows(routing, experts)
+    x = torch.randn(rows, hidden, generator=gen).cuda().bfloat16()
+    w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).cuda().bfloat16()
+    with module.forced_gemm_meta("_swiglu_fwd_kernel", meta):
+        _check_bf16(x, pair_row.cuda(), offsets.cuda(), w)
 
 
 @pytest.mark.gpu
@@ -383,6 +423,8 @@ def _compile_every_launch_for_sm90() -> int:
             metas += [({**kwargs, **{k: v for k, v in tuned.items() if k not in ("num_warps", "num_stages")}},
                        tuned["num_warps"], tuned["num_stages"])            # the measured, pinned ones
                       for key, tuned in modules[0].TUNED_GEMM_META.items() if key[0] == fn.__name__]
+            if "PERSISTENT" in fn.arg_names:      # the persistent tile loop of the first config
+                metas.append(({**metas[0][0], "PERSISTENT": True}, *metas[0][1:]))
         else:
             fn = launchable
             meta = dict(kwargs)

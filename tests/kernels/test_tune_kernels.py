@@ -143,3 +143,19 @@ def test_measured_configs_are_pinned_only_for_their_shape_dtype_size_and_archite
     assert meta(torch.bfloat16, many, down, (2048, 1024), cuda) is None                 # pointer path: autotune
     capability[0] = (8, 0)
     assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is None
+
+
+def test_explicit_configs_are_parsed_and_timed_as_given(tmp_path):
+    assert tune_kernels.parse_config("128x256x64:w8:s4:PERSISTENT=1") == {
+        "BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "PERSISTENT": 1}
+    for bad in ("128x256:w8:s4", "128x256x64:w8", "128x256x64:w8:s4:PERSISTENT"):
+        with pytest.raises(ValueError, match="BMxBNxBK|warps"):
+            tune_kernels.parse_config(bad)
+    with pytest.raises(SystemExit):
+        tune_kernels.parse_args(["--out", "x.csv", "--configs", "16x16:w4:s2"])
+    out = tmp_path / "tune.csv"
+    assert tune_kernels.main(["--smoke", "--out", str(out), "--kernels", "down_fwd", "--configs", "16x16x16:w4:s2",
+                              "16x32x16:w4:s2:PERSISTENT=1"]) == 0
+    forced = pd.read_csv(out).query("config == 'forced'")
+    assert forced["BLOCK_N"].tolist() == [16, 32] and (forced["status"] == "ok").all()
+    assert forced["extra_meta"].fillna("").tolist() == ["", "PERSISTENT=1"]
