@@ -64,6 +64,56 @@ from .grouped_swiglu import (
 
 
 @triton.jit
+def _down_fwd_tile(
+    h_ptr, w_ptr, h_desc, w_desc, expert, start, end, pid_n, D, F,
+    stride_hm, stride_hf, stride_we, stride_wd, stride_wf,
+    TMA: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The accumulator [BLOCK_M, BLOCK_N] of one output tile (fp32)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        w_row = expert * D + pid_n * BLOCK_N
+        for k0 in tl.range(0, F, BLOCK_K, warp_specialize=WARP_SPEC_K):
+            acc = tl.dot(h_desc.load([start.to(tl.int32), k0]), w_desc.load([w_row, k0]).T, acc,
+                         input_precision=PRECISION)
+    else:
+        offs_m = start + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < end
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :] * stride_hf
+        b_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wd + offs_k[:, None] * stride_wf
+        for k0 in range(0, F, BLOCK_K):
+            mask_k = offs_k < F - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & (offs_n < D)[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_hf
+            b_ptrs += BLOCK_K * stride_wf
+    return acc
+
+
+@triton.jit
+def _down_fwd_store(
+    acc, yp_ptr, gate_ptr, row_ptr, start, end, pid_n, D, stride_gm, stride_ym, stride_yd,
+    SCATTER_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """gate · acc into the pairs' rows (or, one pair per row, the rows themselves)."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    offs_m64 = offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    gate = tl.load(gate_ptr + offs_m64 * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
+    if SCATTER_ROWS:
+        out_m = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    else:
+        out_m = offs_m64
+    tl.store(yp_ptr + out_m[:, None] * stride_ym + offs_n[None, :] * stride_yd,
+             (acc * gate[:, None]).to(yp_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < D)[None, :])
+
+
+@triton.jit
 def _down_fwd_kernel(
     h_ptr, gate_ptr, offsets_ptr, w_ptr, yp_ptr, row_ptr,
     M, D, F, num_experts,
@@ -73,15 +123,12 @@ def _down_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WARP_SPEC: tl.constexpr = 0,
     PERSISTENT: tl.constexpr = False,
 ):
-    # Each program walks output tiles pid, pid + programs, ...: one tile (or none) with a grid of
-    # the tile bound, several with a persistent grid of one program per SM, where the tile loop
-    # and the K loop are flattened into one pipelined loop (the next tile's loads are issued
-    # while this tile's epilogue runs). WARP_SPEC 1: producer/consumer warps on the K loop, 2: on
-    # the flattened loop.
-    lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
-    num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+    # One output tile per program (a grid of the tile bound; idle programs do nothing), or
+    # PERSISTENT: one program per SM walks tiles pid, pid + programs, ... in a loop whose tile and
+    # K levels are flattened into one pipelined loop (the next tile's loads are issued while this
+    # tile's epilogue runs). WARP_SPEC 1: producer/consumer warps on the K loop, 2: on the
+    # flattened loop.
     num_pid_n = tl.cdiv(D, BLOCK_N)
-    programs = tl.num_programs(0)
     if TMA:
         # h [M, F] and Wd viewed as [E*D, F]: rows past the expert's pairs (or its D rows) belong
         # to the next expert and land in masked-out outputs; reads past the tensors are zeros.
@@ -89,48 +136,37 @@ def _down_fwd_kernel(
                                            block_shape=[BLOCK_M, BLOCK_K])
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * D, F], strides=[stride_wd, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-    # The epilogue finds its tile from its own counter, so the flattened loop's prefetch of the
-    # next tile does not wait on this tile's index math.
-    tile_out = tl.program_id(0) - programs
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=PERSISTENT,
-                         warp_specialize=WARP_SPEC == 2):
-        pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
-        expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if TMA:
-            w_row = expert * D + pid_n * BLOCK_N
-            for k0 in tl.range(0, F, BLOCK_K, warp_specialize=WARP_SPEC == 1):
-                acc = tl.dot(h_desc.load([start.to(tl.int32), k0]), w_desc.load([w_row, k0]).T, acc,
-                             input_precision=PRECISION)
-        else:
-            offs_m = start + tl.arange(0, BLOCK_M)
-            mask_m = offs_m < end
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_k = tl.arange(0, BLOCK_K)
-            a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_k[None, :] * stride_hf
-            b_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wd
-                      + offs_k[:, None] * stride_wf)
-            for k0 in range(0, F, BLOCK_K):
-                mask_k = offs_k < F - k0
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=mask_k[:, None] & (offs_n < D)[None, :], other=0.0)
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                a_ptrs += BLOCK_K * stride_hf
-                b_ptrs += BLOCK_K * stride_wf
-        tile_out += programs
-        pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
-        _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < end
-        offs_m64 = offs_m.to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        gate = tl.load(gate_ptr + offs_m64 * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
-        if SCATTER_ROWS:   # one pair per row: write the row itself, in the output dtype
-            out_m = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        else:              # the pair's own row, reduced afterwards
-            out_m = offs_m64
-        tl.store(yp_ptr + out_m[:, None] * stride_ym + offs_n[None, :] * stride_yd,
-                 (acc * gate[:, None]).to(yp_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < D)[None, :])
+    else:
+        h_desc = h_ptr         # unused
+        w_desc = w_ptr
+    if PERSISTENT:
+        lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+        num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+        programs = tl.num_programs(0)
+        # The epilogue finds its tile from its own counter, so the flattened loop's prefetch of
+        # the next tile does not wait on this tile's index math.
+        tile_out = tl.program_id(0) - programs
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=True,
+                             warp_specialize=WARP_SPEC == 2):
+            pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
+            expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            acc = _down_fwd_tile(h_ptr, w_ptr, h_desc, w_desc, expert, start, end, pid_n, D, F,
+                                 stride_hm, stride_hf, stride_we, stride_wd, stride_wf,
+                                 TMA, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_K)
+            tile_out += programs
+            pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
+            _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            _down_fwd_store(acc, yp_ptr, gate_ptr, row_ptr, start, end, pid_n, D, stride_gm, stride_ym, stride_yd,
+                            SCATTER_ROWS, BLOCK_M, BLOCK_N)
+    else:
+        pid_m, pid_n = swizzle_tiles(tl.program_id(0), tl.cdiv(M, BLOCK_M) + num_experts, num_pid_n, GROUP_SIZE)
+        expert, start, end = expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+        if expert < num_experts:
+            acc = _down_fwd_tile(h_ptr, w_ptr, h_desc, w_desc, expert, start, end, pid_n, D, F,
+                                 stride_hm, stride_hf, stride_we, stride_wd, stride_wf,
+                                 TMA, PRECISION, WARP_SPEC == 1, BLOCK_M, BLOCK_N, BLOCK_K)
+            _down_fwd_store(acc, yp_ptr, gate_ptr, row_ptr, start, end, pid_n, D, stride_gm, stride_ym, stride_yd,
+                            SCATTER_ROWS, BLOCK_M, BLOCK_N)
 
 
 @triton.jit

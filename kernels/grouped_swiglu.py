@@ -103,7 +103,11 @@ TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = M
     ("_swiglu_fwd_kernel", 9, 2048, 1024, True): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "WARP_SPEC": 1}),
     ("_down_fwd_kernel", 9, 2048, 1024, True): MappingProxyType(
-        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "PERSISTENT": 1}),
+    ("_down_bwd_dw_kernel", 9, 2048, 1024, True): MappingProxyType(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+    ("_swiglu_bwd_dw_kernel", 9, 2048, 1024, True): MappingProxyType(
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}),
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, True): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, False): MappingProxyType(
@@ -365,6 +369,70 @@ def check_grouped_args(op: str, pair_row_M: torch.Tensor, expert_offsets: torch.
 
 
 @triton.jit
+def _swiglu_fwd_tile(
+    x_ptr, row_ptr, w_ptr, w_desc, expert, start, end, pid_n, D, F,
+    stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
+    TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Gate and up accumulators [BLOCK_M, BLOCK_N] of one output tile (fp32)."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows[:, None] * stride_xr + offs_k[None, :] * stride_xd
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TMA:
+        # Rows past the tile's end gather row 0 (valid memory) and are never stored, so the A
+        # loads need a mask only for a K tail.
+        gate_row = expert * 2 * F + pid_n * BLOCK_N
+        for k0 in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
+            acc_g = tl.dot(a, w_desc.load([gate_row, k0]).T, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, w_desc.load([gate_row + F, k0]).T, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_xd
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < F
+        bg_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wf + offs_k[:, None] * stride_wd
+        bu_ptrs = bg_ptrs + F * stride_wf
+        for k0 in range(0, D, BLOCK_K):
+            mask_k = offs_k < D - k0
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_xd
+            bg_ptrs += BLOCK_K * stride_wd
+            bu_ptrs += BLOCK_K * stride_wd
+    return acc_g, acc_u
+
+
+@triton.jit
+def _swiglu_fwd_store(
+    acc_g, acc_u, h_ptr, pre_ptr, start, end, pid_n, F, stride_hm, stride_hf, stride_pm, stride_pf,
+    SAVE_PREACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """h = silu(g) * u of the tile's pairs, and [g | u] when the backward will need them."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_mn = (offs_m < end)[:, None] & (offs_n < F)[None, :]
+    offs_m64 = offs_m.to(tl.int64)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(h_ptr + offs_m64[:, None] * stride_hm + offs_n[None, :] * stride_hf,
+             h.to(h_ptr.dtype.element_ty), mask=mask_mn)
+    if SAVE_PREACT:
+        pre_ptrs = pre_ptr + offs_m64[:, None] * stride_pm + offs_n[None, :] * stride_pf
+        tl.store(pre_ptrs, acc_g.to(pre_ptr.dtype.element_ty), mask=mask_mn)
+        tl.store(pre_ptrs + F * stride_pf, acc_u.to(pre_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
 def _swiglu_fwd_kernel(
     x_ptr, row_ptr, offsets_ptr, w_ptr, h_ptr, pre_ptr,
     M, D, F, num_experts,
@@ -373,70 +441,41 @@ def _swiglu_fwd_kernel(
     GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WARP_SPEC: tl.constexpr = 0, PERSISTENT: tl.constexpr = False,
 ):
-    # Tile loop, PERSISTENT and WARP_SPEC as in `_down_fwd_kernel` (grouped_down_reduce.py).
-    lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
-    num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+    # One tile per program, or PERSISTENT: a loop over tiles; WARP_SPEC as in `_down_fwd_kernel`.
     num_pid_n = tl.cdiv(F, BLOCK_N)
-    programs = tl.num_programs(0)
     if TMA:
-        # W viewed as [E*2F, D]; gate rows of this tile at e*2F + n, up rows F further. Columns
-        # past D read zeros; rows past the expert's F are other weights, in masked-out columns.
-        # Rows past the tile's end gather row 0 (valid memory) and are never stored, so the A
-        # loads need a mask only for a K tail.
+        # W viewed as [E*2F, D]; gate rows of a tile at e*2F + n, up rows F further. Columns past
+        # D read zeros; rows past the expert's F are other weights, in masked-out columns.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * F, D], strides=[stride_wf, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
-    offs_k = tl.arange(0, BLOCK_K)
-    tile_out = tl.program_id(0) - programs
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=PERSISTENT,
-                         warp_specialize=WARP_SPEC == 2):
-        pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
-        expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < end
-        rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-        a_ptrs = x_ptr + rows[:, None] * stride_xr + offs_k[None, :] * stride_xd
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if TMA:
-            gate_row = expert * 2 * F + pid_n * BLOCK_N
-            for k0 in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC == 1):
-                if EVEN_K:
-                    a = tl.load(a_ptrs)
-                else:
-                    a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
-                acc_g = tl.dot(a, w_desc.load([gate_row, k0]).T, acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(a, w_desc.load([gate_row + F, k0]).T, acc_u, input_precision=PRECISION)
-                a_ptrs += BLOCK_K * stride_xd
-        else:
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < F
-            bg_ptrs = (w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wf
-                       + offs_k[:, None] * stride_wd)
-            bu_ptrs = bg_ptrs + F * stride_wf
-            for k0 in range(0, D, BLOCK_K):
-                mask_k = offs_k < D - k0
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                bg = tl.load(bg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                bu = tl.load(bu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc_g = tl.dot(a, bg, acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
-                a_ptrs += BLOCK_K * stride_xd
-                bg_ptrs += BLOCK_K * stride_wd
-                bu_ptrs += BLOCK_K * stride_wd
-        tile_out += programs
-        pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
-        _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
-        offs_m = start + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_mn = (offs_m < end)[:, None] & (offs_n < F)[None, :]
-        offs_m64 = offs_m.to(tl.int64)
-        h = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h_ptr + offs_m64[:, None] * stride_hm + offs_n[None, :] * stride_hf,
-                 h.to(h_ptr.dtype.element_ty), mask=mask_mn)
-        if SAVE_PREACT:
-            pre_ptrs = pre_ptr + offs_m64[:, None] * stride_pm + offs_n[None, :] * stride_pf
-            tl.store(pre_ptrs, acc_g.to(pre_ptr.dtype.element_ty), mask=mask_mn)
-            tl.store(pre_ptrs + F * stride_pf, acc_u.to(pre_ptr.dtype.element_ty), mask=mask_mn)
+    else:
+        w_desc = w_ptr         # unused
+    if PERSISTENT:
+        lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+        num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+        programs = tl.num_programs(0)
+        tile_out = tl.program_id(0) - programs
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=True,
+                             warp_specialize=WARP_SPEC == 2):
+            pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
+            expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            acc_g, acc_u = _swiglu_fwd_tile(x_ptr, row_ptr, w_ptr, w_desc, expert, start, end, pid_n, D, F,
+                                            stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
+                                            TMA, EVEN_K, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_K)
+            tile_out += programs
+            pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
+            _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            _swiglu_fwd_store(acc_g, acc_u, h_ptr, pre_ptr, start, end, pid_n, F, stride_hm, stride_hf, stride_pm,
+                              stride_pf, SAVE_PREACT, BLOCK_M, BLOCK_N)
+    else:
+        pid_m, pid_n = swizzle_tiles(tl.program_id(0), tl.cdiv(M, BLOCK_M) + num_experts, num_pid_n, GROUP_SIZE)
+        expert, start, end = expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+        if expert < num_experts:
+            acc_g, acc_u = _swiglu_fwd_tile(x_ptr, row_ptr, w_ptr, w_desc, expert, start, end, pid_n, D, F,
+                                            stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
+                                            TMA, EVEN_K, PRECISION, WARP_SPEC == 1, BLOCK_M, BLOCK_N, BLOCK_K)
+            _swiglu_fwd_store(acc_g, acc_u, h_ptr, pre_ptr, start, end, pid_n, F, stride_hm, stride_hf, stride_pm,
+                              stride_pf, SAVE_PREACT, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
