@@ -53,6 +53,7 @@ from .grouped_swiglu import (
     launch_gemm,
     locate_tile,
     m_tile_bound,
+    store_pair_rows,
     swizzle_tiles,
     use_tma,
 )
@@ -101,16 +102,9 @@ def _down_fwd_store(
 ):
     """gate · acc into the pairs' rows (or, one pair per row, the rows themselves)."""
     offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    offs_m64 = offs_m.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    gate = tl.load(gate_ptr + offs_m64 * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
-    if SCATTER_ROWS:
-        out_m = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    else:
-        out_m = offs_m64
-    tl.store(yp_ptr + out_m[:, None] * stride_ym + offs_n[None, :] * stride_yd,
-             (acc * gate[:, None]).to(yp_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n < D)[None, :])
+    gate = tl.load(gate_ptr + offs_m.to(tl.int64) * stride_gm, mask=offs_m < end, other=0.0).to(tl.float32)
+    store_pair_rows(acc * gate[:, None], yp_ptr, row_ptr, start, end, pid_n, D, stride_ym, stride_yd, SCATTER_ROWS,
+                    BLOCK_M, BLOCK_N)
 
 
 @triton.jit

@@ -512,34 +512,18 @@ def _swiglu_preact_grad_kernel(
 
 
 @triton.jit
-def _swiglu_bwd_dx_kernel(
-    dh_ptr, pre_ptr, offsets_ptr, w_ptr, dxp_ptr, row_ptr,
-    M, D, F, num_experts,
-    stride_dm, stride_df, stride_pm, stride_pf, stride_we, stride_wf, stride_wd, stride_xm, stride_xd,
-    SCATTER_ROWS: tl.constexpr, PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
-    GRADS_READY: tl.constexpr, TMA: tl.constexpr,
+def _swiglu_dx_tile(
+    dh_ptr, pre_ptr, w_ptr, a_desc, w_desc, expert, start, end, pid_n, D, F,
+    stride_dm, stride_df, stride_pm, stride_pf, stride_we, stride_wf, stride_wd,
+    PRECISION: tl.constexpr, GRADS_READY: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    num_pid_m = tl.cdiv(M, BLOCK_M) + num_experts
-    pid_m, pid_n = swizzle_tiles(tl.program_id(0), num_pid_m, tl.cdiv(D, BLOCK_N), GROUP_SIZE)
-    expert, start, end = expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
-    if expert >= num_experts:
-        return
-    offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    offs_m64 = offs_m.to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < D
+    """dx accumulator [BLOCK_M, BLOCK_N] of one tile: dg @ Wg + du @ Wu over the tile's pairs (fp32)."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:
         # Only with [dg | du] materialised and F a multiple of BLOCK_K (the host checks both): the dg
-        # and du tiles of one K step then never cross into each other's columns. [dg | du] is [M, 2F]
-        # in expert order and W is viewed as [E*2F, D]; A rows past the expert's pairs feed only
-        # masked-out outputs.
-        a_desc = tl.make_tensor_descriptor(pre_ptr, shape=[M, 2 * F], strides=[stride_pm, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * F, D], strides=[stride_wf, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
+        # and du tiles of one K step then never cross into each other's columns. A rows past the
+        # expert's pairs feed only masked-out outputs.
         m0 = start.to(tl.int32)
         w_row = expert * 2 * F
         n0 = pid_n * BLOCK_N
@@ -548,6 +532,10 @@ def _swiglu_bwd_dx_kernel(
             acc = tl.dot(a_desc.load([m0, F + k0]), w_desc.load([w_row + F + k0, n0]), acc,
                          input_precision=PRECISION)
     else:
+        offs_m64 = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        mask_m = offs_m64 < end
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < D
         offs_k = tl.arange(0, BLOCK_K)
         dh_ptrs = dh_ptr + offs_m64[:, None] * stride_dm + offs_k[None, :] * stride_df
         g_ptrs = pre_ptr + offs_m64[:, None] * stride_pm + offs_k[None, :] * stride_pf
@@ -575,12 +563,68 @@ def _swiglu_bwd_dx_kernel(
             u_ptrs += BLOCK_K * stride_pf
             bg_ptrs += BLOCK_K * stride_wf
             bu_ptrs += BLOCK_K * stride_wf
-    if SCATTER_ROWS:   # one pair per row: write dx of the row itself, in its dtype
+    return acc
+
+
+@triton.jit
+def store_pair_rows(acc, out_ptr, row_ptr, start, end, pid_n, N, stride_om, stride_on,
+                SCATTER_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile of per-pair rows into the pairs' rows of `out` (or, one pair per row, the rows themselves)."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SCATTER_ROWS:
         out_m = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     else:
-        out_m = offs_m64
-    tl.store(dxp_ptr + out_m[:, None] * stride_xm + offs_n[None, :] * stride_xd, acc.to(dxp_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+        out_m = offs_m.to(tl.int64)
+    tl.store(out_ptr + out_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _swiglu_bwd_dx_kernel(
+    dh_ptr, pre_ptr, offsets_ptr, w_ptr, dxp_ptr, row_ptr,
+    M, D, F, num_experts,
+    stride_dm, stride_df, stride_pm, stride_pf, stride_we, stride_wf, stride_wd, stride_xm, stride_xd,
+    SCATTER_ROWS: tl.constexpr, PRECISION: tl.constexpr, GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr,
+    GRADS_READY: tl.constexpr, TMA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PERSISTENT: tl.constexpr = False,
+):
+    # One tile per program, or PERSISTENT: a loop over tiles (as in `_down_fwd_kernel`).
+    num_pid_n = tl.cdiv(D, BLOCK_N)
+    if TMA:     # [dg | du] is [M, 2F] in expert order; W is viewed as [E*2F, D]
+        a_desc = tl.make_tensor_descriptor(pre_ptr, shape=[M, 2 * F], strides=[stride_pm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * F, D], strides=[stride_wf, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    else:
+        a_desc = pre_ptr       # unused
+        w_desc = w_ptr
+    if PERSISTENT:
+        lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+        num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+        programs = tl.num_programs(0)
+        tile_out = tl.program_id(0) - programs
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=True):
+            pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
+            expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            acc = _swiglu_dx_tile(dh_ptr, pre_ptr, w_ptr, a_desc, w_desc, expert, start, end, pid_n, D, F,
+                                  stride_dm, stride_df, stride_pm, stride_pf, stride_we, stride_wf, stride_wd,
+                                  PRECISION, GRADS_READY, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+            tile_out += programs
+            pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
+            _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            store_pair_rows(acc, dxp_ptr, row_ptr, start, end, pid_n, D, stride_xm, stride_xd, SCATTER_ROWS,
+                        BLOCK_M, BLOCK_N)
+    else:
+        pid_m, pid_n = swizzle_tiles(tl.program_id(0), tl.cdiv(M, BLOCK_M) + num_experts, num_pid_n, GROUP_SIZE)
+        expert, start, end = expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+        if expert < num_experts:
+            acc = _swiglu_dx_tile(dh_ptr, pre_ptr, w_ptr, a_desc, w_desc, expert, start, end, pid_n, D, F,
+                                  stride_dm, stride_df, stride_pm, stride_pf, stride_we, stride_wf, stride_wd,
+                                  PRECISION, GRADS_READY, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
+            store_pair_rows(acc, dxp_ptr, row_ptr, start, end, pid_n, D, stride_xm, stride_xd, SCATTER_ROWS,
+                        BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -793,7 +837,8 @@ def grouped_swiglu_backward(
                           EXPERTS_P2=triton.next_power_of_2(num_experts), GRADS_READY=ready, TMA=tma)
 
             def grid_dx(meta):
-                return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
+                tiles = m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"])
+                return (gemm_programs(tiles, meta, x_RD.device),)
 
             launch_gemm(_swiglu_bwd_dx_tuned, _swiglu_bwd_dx_kernel, grid_dx, args, consts, x_RD.dtype, num_pairs,
                         measured_shape)

@@ -225,6 +225,26 @@ def test_backward_dx_operand_paths_match_reference(tma, bwd_mode, poisoned_empty
     torch.testing.assert_close(dx, dx_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(dw, dw_ref, atol=1e-4, rtol=1e-4)
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_persistent_backward_dx_matches_reference(tma, bwd_mode, poisoned_empty):
+    """The dx GEMM with a PERSISTENT config (3 programs looping over tiles in the interpreter), on
+    both operand paths and both ways of forming [dg | du]."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    gen = torch.Generator().manual_seed(8)
+    rows, hidden, ffn, experts = 26, 40, 128, 3
+    routing = [torch.randperm(experts, generator=gen)[:2].tolist() if r % 3 else [1] for r in range(rows)]
+    pair_row, offsets = (t.to(DEVICE) for t in pairs_from_rows(routing, experts))
+    x = torch.randn(rows, hidden, generator=gen).to(DEVICE).requires_grad_()
+    w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).to(DEVICE).requires_grad_()
+    meta = {**module.fixed_gemm_meta(torch.float32, pair_row.numel()), "PERSISTENT": 1}
+    with module.forced_gemm_meta("_swiglu_bwd_dx_kernel", meta), \
+            contextlib.nullcontext() if tma else module.tma_disabled():
+        h = grouped_swiglu(x, pair_row, offsets, w)
+        grad_out = torch.randn(h.shape, generator=gen).to(DEVICE)
+        (dx,) = torch.autograd.grad(h, (x,), grad_out)
+    torch.testing.assert_close(dx, reference_grads(x, pair_row, offsets, w, grad_out)[1], atol=1e-4, rtol=1e-4)
+
+
 def test_weights_without_a_descriptor_layout_load_through_pointers(poisoned_empty):
     """A weight whose last dim is not contiguous cannot back a tensor descriptor: the pointer path
     runs and gives the same result."""
@@ -245,20 +265,22 @@ def test_bf16_on_gpu(case, bwd_mode):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("warp_spec", [0, 2], ids=["pipelined", "warp_specialized"])
-def test_persistent_forward_bf16_on_gpu(warp_spec):
-    """The persistent tile loop (one program per SM) with descriptor operands, flattened and
-    software-pipelined or warp-specialised, against fp32 (forward and gradients)."""
+def test_persistent_forward_and_dx_bf16_on_gpu(warp_spec):
+    """The persistent tile loop (one program per SM) of the forward and dx GEMMs with descriptor
+    operands, flattened and software-pipelined (the forward's also warp-specialised), against
+    fp32 (forward and gradients)."""
     module = importlib.import_module("occult.kernels.grouped_swiglu")
     meta = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1,
             "WARP_SPEC": warp_spec}
     gen = torch.Generator().manual_seed(4)
-    rows, hidden, ffn, experts = 3500, 256, 192, 8
+    rows, hidden, ffn, experts = 3500, 256, 256, 8      # F = 256: the dx GEMM's descriptor path
     routing = [torch.randperm(experts, generator=gen)[:3].tolist() for _ in range(rows)]
     routing[:1000] = [[5, 1]] * 1000
     pair_row, offsets = pairs_from_rows(routing, experts)
     x = torch.randn(rows, hidden, generator=gen).cuda().bfloat16()
     w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).cuda().bfloat16()
-    with module.forced_gemm_meta("_swiglu_fwd_kernel", meta):
+    dx_meta = {key: value for key, value in meta.items() if key != "WARP_SPEC"}     # dx has no such loop
+    with module.forced_gemm_meta("_swiglu_fwd_kernel", meta), module.forced_gemm_meta("_swiglu_bwd_dx_kernel", dx_meta):
         _check_bf16(x, pair_row.cuda(), offsets.cuda(), w)
 
 
