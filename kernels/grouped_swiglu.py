@@ -109,7 +109,7 @@ TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = M
     ("_swiglu_bwd_dw_kernel", 9, 2048, 1024, True): MappingProxyType(
         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}),
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, True): MappingProxyType(
-        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1}),
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}),
     ("_swiglu_bwd_dw_kernel", 9, 2048, 1024, False): MappingProxyType(
