@@ -250,6 +250,9 @@ DOWN_IMPLS = {"triton": grouped_down_reduce, "triton_materialized": grouped_down
               "reference": grouped_down_reduce_ref, "grouped_mm": down_reduce_grouped_mm,
               "grouped_mm_sorted": down_grouped_mm_sorted, "dense_mm": down_dense_mm}
 FORWARD_ONLY_IMPLS = ("grouped_mm_sorted", "dense_mm")
+# Forward impls also timed in a burst (pass "fwd_burst", as `dense_peak` times cuBLAS's burst rate):
+# the like-for-like partner of `pct_of_burst_peak`.
+BURST_IMPLS = ("triton", "dense_mm")
 COMBINE_IMPLS = {"triton": combine, "reference": combine_ref}
 
 
@@ -341,11 +344,33 @@ def time_ms(fn: Callable[[], object], on_gpu: bool, warmup_ms: int, rep_ms: int)
     return samples[1], samples[0], samples[2]
 
 
+def burst_ms(fn: Callable[[], object], calls: int = 30, skip: int = 10) -> tuple[float, float, float]:
+    """(median, 20%, 80%) ms of single calls after 1 s of idle: `skip` untimed calls, then
+    `calls - skip` timed ones (≈ the first tens of ms of load, before the clocks settle lower)."""
+    torch.cuda.synchronize()
+    time.sleep(1.0)
+    samples = []
+    for i in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= skip:
+            samples.append(start.elapsed_time(end))
+    samples.sort()
+    n = len(samples)
+    return samples[n // 2], samples[n // 5], samples[(4 * n) // 5]
+
+
 def bench_case(case: Case, on_gpu: bool, warmup_ms: int, rep_ms: int) -> list[dict]:
     rows = []
     for impl in case.impls:
-        for pass_name in ("fwd",) if impl in FORWARD_ONLY_IMPLS else ("fwd", "fwd+bwd"):
-            if pass_name == "fwd":
+        passes = ("fwd",) if impl in FORWARD_ONLY_IMPLS else ("fwd", "fwd+bwd")
+        if on_gpu and impl in BURST_IMPLS:
+            passes += ("fwd_burst",)
+        for pass_name in passes:
+            if pass_name in ("fwd", "fwd_burst"):
                 def fn(impl=impl):
                     with torch.no_grad():
                         return case.run(impl, case.leaves)
@@ -355,8 +380,12 @@ def bench_case(case: Case, on_gpu: bool, warmup_ms: int, rep_ms: int) -> list[di
 
                 def fn(impl=impl, grad_out=grad_out):
                     return torch.autograd.grad(case.run(impl, case.leaves), case.leaves, grad_out)
+            started = time.time()      # to line rows up with clock/power telemetry sampled beside the run
             try:
-                median, low, high = time_ms(fn, on_gpu, warmup_ms, rep_ms)
+                if pass_name == "fwd_burst":
+                    median, low, high = burst_ms(fn)
+                else:
+                    median, low, high = time_ms(fn, on_gpu, warmup_ms, rep_ms)
                 error = ""
             except Exception as exc:  # a baseline that this torch/GPU cannot run: record, go on
                 median = low = high = float("nan")
@@ -364,7 +393,7 @@ def bench_case(case: Case, on_gpu: bool, warmup_ms: int, rep_ms: int) -> list[di
             flops = case.flops_fwd * (3 if pass_name == "fwd+bwd" else 1)
             moved = case.bytes_fwd + (case.bytes_bwd if pass_name == "fwd+bwd" else 0)
             rows.append({
-                "op": case.op, "impl": impl, "pass": pass_name,
+                "op": case.op, "impl": impl, "pass": pass_name, "started_unix_s": started, "ended_unix_s": time.time(),
                 "median_ms": median, "p20_ms": low, "p80_ms": high,
                 "tflops": flops / (median * 1e-3) / 1e12 if flops else float("nan"),
                 "gbps": moved / (median * 1e-3) / 1e9,
@@ -379,20 +408,7 @@ def dense_peak(warmup_ms: int, rep_ms: int, size: int = 8192) -> dict[str, dict]
     load; what `pct_of_peak` divides by) and `cublas_burst` (median of 20 single calls after 10,
     ≈40 ms of load: the "measured peak" of the earlier runs; `gpu_ep_bench.sh` writes it to peak.csv)."""
     a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    timings = {"cublas": time_ms(lambda: a @ b, True, warmup_ms, rep_ms)}
-    torch.cuda.synchronize()
-    time.sleep(1.0)      # let the clocks recover from the sustained run
-    burst = []
-    for i in range(30):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        a @ b
-        end.record()
-        end.synchronize()
-        if i >= 10:
-            burst.append(start.elapsed_time(end))
-    burst.sort()
-    timings["cublas_burst"] = (burst[10], burst[4], burst[16])
+    timings = {"cublas": time_ms(lambda: a @ b, True, warmup_ms, rep_ms), "cublas_burst": burst_ms(lambda: a @ b)}
     return {impl: {"median_ms": median, "p20_ms": low, "p80_ms": high,
                    "tflops": 2.0 * size**3 / (median * 1e-3) / 1e12,
                    "gbps": 3 * size * size * 2 / (median * 1e-3) / 1e9, "error": "", "rel_err_vs_fp32": float("nan")}
@@ -496,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         forward = pd.DataFrame(results).query("`pass` == 'fwd' and op != 'matmul_8192' and op != 'combine'")
         print(forward.pivot_table(index=["routing", "op"], columns="impl", values="pct_of_peak")
               .to_string(float_format=lambda v: f"{v:.1f}"))
+        bursts = pd.DataFrame(results).query("`pass` == 'fwd_burst'")
+        if len(bursts):
+            print("each timed in a burst like cuBLAS's, % of the burst peak:")
+            print(bursts.pivot_table(index=["routing", "op"], columns="impl", values="pct_of_burst_peak")
+                  .to_string(float_format=lambda v: f"{v:.1f}"))
     print(f"\nmedian ms ({meta['gpu']}, {meta['dtype']}, torch {meta['torch']}, triton {meta['triton']}); "
           f"rows appended to {args.out}")
     print(table.to_string(float_format=lambda v: f"{v:.3f}"))

@@ -278,8 +278,14 @@ def kernels_summary(frame: pd.DataFrame) -> pd.DataFrame:
                           tflops_min=("tflops", "min"), tflops=("tflops", "median"), tflops_max=("tflops", "max"),
                           pct_of_peak=("pct_of_peak", "median"), pct_of_peak_min=("pct_of_peak", "min"),
                           pct_of_peak_max=("pct_of_peak", "max"), pct_of_burst_peak=("pct_of_burst_peak", "median"))
-    return summary.reset_index().assign(peak_tflops=peaks["cublas"].median(),
-                                        burst_peak_tflops=peaks["cublas_burst"].median())
+    summary = summary.reset_index()
+    # Where the run also timed impls in a burst (pass fwd_burst, bench_kernels since this column):
+    # their rate against the burst peak, the like-for-like pair of the two timings.
+    bursts = frame[(frame["pass"] == "fwd_burst") & frame["op"].isin(KERNEL_OPS)]
+    burst = bursts.groupby(["routing", "op", "impl"]).agg(
+        burst_median_ms=("median_ms", "median"), burst_pct_of_burst_peak=("pct_of_burst_peak", "median"))
+    summary = summary.merge(burst.reset_index(), on=["routing", "op", "impl"], how="left")
+    return summary.assign(peak_tflops=peaks["cublas"].median(), burst_peak_tflops=peaks["cublas_burst"].median())
 
 
 def plot_kernels(summary: pd.DataFrame, path: Path) -> None:

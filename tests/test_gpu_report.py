@@ -123,3 +123,23 @@ def test_kernel_report_takes_the_median_over_repeats_against_each_runs_own_peak(
     pd.read_csv(run_dir / "kernels.csv").drop(columns=["pct_of_burst_peak"]).to_csv(run_dir / "kernels.csv", index=False)
     with pytest.raises(ValueError, match="kernels.csv: no peak columns"):
         gpu_report.make_kernels_report(run_dir, tmp_path / "figures")
+
+
+def test_kernel_report_pairs_burst_timed_rows_with_the_burst_peak(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "kernels_v2"
+    run_dir.mkdir(parents=True)
+    frame = kernel_rows(2.0, 2.0)
+    burst_peak = frame.set_index("impl").loc["cublas_burst", "tflops"]
+    burst = {"routing": "uniform", "op": "grouped_swiglu", "impl": "triton", "pass": "fwd_burst", "median_ms": 1.6,
+             "tflops": 600.0 * 2.0 / 1.6}
+    burst["pct_of_burst_peak"] = 100 * burst["tflops"] / burst_peak
+    pd.concat([frame, pd.DataFrame([burst])], ignore_index=True).to_csv(run_dir / "kernels.csv", index=False)
+    gpu_report.make_kernels_report(run_dir, tmp_path / "figures")
+    summary = pd.read_csv(run_dir / "summary.csv")
+    assert len(summary) == 1                                        # the burst row is a column, not an impl row
+    row = summary.iloc[0]
+    assert row["median_ms"] == pytest.approx(2.0) and row["burst_median_ms"] == pytest.approx(1.6)
+    assert row["burst_pct_of_burst_peak"] == pytest.approx(100 * 750.0 / burst_peak, rel=1e-5)
+    kernel_rows(2.0, 2.0).to_csv(run_dir / "kernels.csv", index=False)      # runs without burst rows: NaN
+    gpu_report.make_kernels_report(run_dir, tmp_path / "figures")
+    assert pd.read_csv(run_dir / "summary.csv")["burst_median_ms"].isna().all()

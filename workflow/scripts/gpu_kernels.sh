@@ -20,10 +20,20 @@ if [ "$tests" != none ]; then
   # shellcheck disable=SC2086
   timeout 420 python3 -m pytest $tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
 fi
+# SM clock, power and the clock-limit reasons every 200 ms beside the bench (rows carry their start
+# and end times, `started_unix_s`, `ended_unix_s`): what sets the rate under sustained load
+if command -v nvidia-smi > /dev/null; then
+  reasons=clocks_event_reasons.active
+  nvidia-smi --query-gpu=$reasons --format=csv > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,power.limit,temperature.gpu,$reasons \
+    --format=csv -lms 200 > "$out/telemetry.csv" 2>&1 &
+  telemetry=$!
+fi
 echo "== bench_kernels ($(date -u +%T))"
 # shellcheck disable=SC2086
 timeout 420 python3 -m occult.kernels.bench_kernels --out "$out/kernels.csv" ${BENCH_ARGS:-} 2>&1 \
   | tee "$out/bench_kernels.log" | grep -v "it/s\]" | tail -40
+[ -n "${telemetry:-}" ] && kill "$telemetry" 2> /dev/null
 if [ -n "${TUNE_KERNELS:-}" ]; then
   echo "== tune_kernels $TUNE_KERNELS ($(date -u +%T))"
   # shellcheck disable=SC2086
