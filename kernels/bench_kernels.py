@@ -380,7 +380,7 @@ def bench_case(case: Case, on_gpu: bool, warmup_ms: int, rep_ms: int) -> list[di
 
                 def fn(impl=impl, grad_out=grad_out):
                     return torch.autograd.grad(case.run(impl, case.leaves), case.leaves, grad_out)
-            started = time.time()      # to line rows up with clock/power telemetry sampled beside the run
+            started_ms = round(time.time() * 1e3)     # to line rows up with telemetry sampled beside the run
             try:
                 if pass_name == "fwd_burst":
                     median, low, high = burst_ms(fn)
@@ -393,7 +393,8 @@ def bench_case(case: Case, on_gpu: bool, warmup_ms: int, rep_ms: int) -> list[di
             flops = case.flops_fwd * (3 if pass_name == "fwd+bwd" else 1)
             moved = case.bytes_fwd + (case.bytes_bwd if pass_name == "fwd+bwd" else 0)
             rows.append({
-                "op": case.op, "impl": impl, "pass": pass_name, "started_unix_s": started, "ended_unix_s": time.time(),
+                "op": case.op, "impl": impl, "pass": pass_name, "started_unix_ms": started_ms,
+                "ended_unix_ms": round(time.time() * 1e3),
                 "median_ms": median, "p20_ms": low, "p80_ms": high,
                 "tflops": flops / (median * 1e-3) / 1e12 if flops else float("nan"),
                 "gbps": moved / (median * 1e-3) / 1e9,
@@ -493,8 +494,11 @@ def main(argv: list[str] | None = None) -> int:
                 row["rel_err_vs_fp32"] = errors.get(row["impl"], float("nan"))
                 results.append({**workload_cols, **row, **meta})
     if on_gpu:   # the denominators of "% of peak", measured in the same run
+        started_ms = round(time.time() * 1e3)
         peaks = dense_peak(args.warmup_ms, args.rep_ms)
-        results += [{"op": "matmul_8192", "impl": impl, "pass": "fwd", **row, **meta} for impl, row in peaks.items()]
+        span = {"started_unix_ms": started_ms, "ended_unix_ms": round(time.time() * 1e3)}     # both timings
+        results += [{"op": "matmul_8192", "impl": impl, "pass": "fwd", **span, **row, **meta}
+                    for impl, row in peaks.items()]
         peak, burst_peak = peaks["cublas"]["tflops"], peaks["cublas_burst"]["tflops"]
         for row in results:
             row["pct_of_peak"] = 100.0 * row["tflops"] / peak

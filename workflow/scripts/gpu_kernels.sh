@@ -21,7 +21,7 @@ if [ "$tests" != none ]; then
   timeout 420 python3 -m pytest $tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -15
 fi
 # SM clock, power and the clock-limit reasons every 200 ms beside the bench (rows carry their start
-# and end times, `started_unix_s`, `ended_unix_s`): what sets the rate under sustained load
+# and end times, `started_unix_ms`, `ended_unix_ms`): what sets the rate under sustained load
 if command -v nvidia-smi > /dev/null; then
   reasons=clocks_event_reasons.active
   nvidia-smi --query-gpu=$reasons --format=csv > /dev/null 2>&1 || reasons=clocks_throttle_reasons.active
