@@ -96,7 +96,10 @@ GROUP_M = 8
 # specialisation that config ran 1.80 ms against 2.01 without, and the down projection's best was
 # 128x256x64 w8 s4 at 1.17 ms against the autotuner's 1.23 (results/nvidia-h200/tune_v2/tune.csv).
 # The TMA dx GEMM's best, 128x128x64 w8 s3, ran 2.51 ms against 2.73 for the best pointer config of
-# the same grid in the same call (results/nvidia-h200/tune_v3/tune.csv).
+# the same grid in the same call (results/nvidia-h200/tune_v3/tune.csv). Interleaved A/B pairs in one
+# process (results/nvidia-h200/kernels_v8/tune_ab.csv): the persistent down GEMM 1.05/1.09 ms against
+# 1.18/1.28 one tile per program; descriptor dW operands, down 1.60/1.58 against 1.82/1.84 ms with
+# pointers (same config), SwiGLU 2.72/2.72 against 2.73/2.86.
 TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = MappingProxyType({
     ("_swiglu_fwd_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
