@@ -46,15 +46,15 @@ from .grouped_swiglu import (
     check_grouped_args,
     dot_precision,
     expert_tile,
-    expert_tile_table,
     fixed_gemm_meta,
     gemm_programs,
     kernel_name,
     launch_gemm,
-    locate_tile,
     m_tile_bound,
+    persistent_schedule,
     store_pair_rows,
     swizzle_tiles,
+    tile_at,
     use_tma,
 )
 
@@ -134,22 +134,21 @@ def _down_fwd_kernel(
         h_desc = h_ptr         # unused
         w_desc = w_ptr
     if PERSISTENT:
-        lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
-        num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+        lo, hi, tiles_start, tiles_end, num_pid_m = persistent_schedule(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
         programs = tl.num_programs(0)
         # The epilogue finds its tile from its own counter, so the flattened loop's prefetch of
         # the next tile does not wait on this tile's index math.
         tile_out = tl.program_id(0) - programs
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=True,
                              warp_specialize=WARP_SPEC == 2):
-            pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
-            expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            expert, start, end, pid_n = tile_at(tile, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE,
+                                                BLOCK_M, EXPERTS_P2)
             acc = _down_fwd_tile(h_ptr, w_ptr, h_desc, w_desc, expert, start, end, pid_n, D, F,
                                  stride_hm, stride_hf, stride_we, stride_wd, stride_wf,
                                  TMA, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_K)
             tile_out += programs
-            pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
-            _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            _, start, end, pid_n = tile_at(tile_out, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE,
+                                           BLOCK_M, EXPERTS_P2)
             _down_fwd_store(acc, yp_ptr, gate_ptr, row_ptr, start, end, pid_n, D, stride_gm, stride_ym, stride_yd,
                             SCATTER_ROWS, BLOCK_M, BLOCK_N)
     else:

@@ -308,6 +308,22 @@ def locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M: tl.constexpr, EX
 
 
 @triton.jit
+def persistent_schedule(offsets_ptr, num_experts, BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """The tile table of a persistent program (`expert_tile_table`) and its exact number of M-tiles."""
+    lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
+    return lo, hi, tiles_start, tiles_end, tl.max(tiles_end, axis=0).to(tl.int32)
+
+
+@triton.jit
+def tile_at(tile, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE: tl.constexpr,
+            BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr):
+    """(expert, first pair, end pair, N-tile) of flat output tile `tile` in the swizzled order."""
+    pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
+    expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+    return expert, start, end, pid_n
+
+
+@triton.jit
 def expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M: tl.constexpr, EXPERTS_P2: tl.constexpr):
     """(expert, first pair, end pair) of M-tile `pid_m`; expert ≥ num_experts means idle."""
     lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
@@ -454,20 +470,19 @@ def _swiglu_fwd_kernel(
     else:
         w_desc = w_ptr         # unused
     if PERSISTENT:
-        lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
-        num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+        lo, hi, tiles_start, tiles_end, num_pid_m = persistent_schedule(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
         programs = tl.num_programs(0)
         tile_out = tl.program_id(0) - programs
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=True,
                              warp_specialize=WARP_SPEC == 2):
-            pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
-            expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            expert, start, end, pid_n = tile_at(tile, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE,
+                                                BLOCK_M, EXPERTS_P2)
             acc_g, acc_u = _swiglu_fwd_tile(x_ptr, row_ptr, w_ptr, w_desc, expert, start, end, pid_n, D, F,
                                             stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
                                             TMA, EVEN_K, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_K)
             tile_out += programs
-            pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
-            _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            _, start, end, pid_n = tile_at(tile_out, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE,
+                                           BLOCK_M, EXPERTS_P2)
             _swiglu_fwd_store(acc_g, acc_u, h_ptr, pre_ptr, start, end, pid_n, F, stride_hm, stride_hf, stride_pm,
                               stride_pf, SAVE_PREACT, BLOCK_M, BLOCK_N)
     else:
@@ -571,7 +586,7 @@ def _swiglu_dx_tile(
 
 @triton.jit
 def store_pair_rows(acc, out_ptr, row_ptr, start, end, pid_n, N, stride_om, stride_on,
-                SCATTER_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    SCATTER_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """A tile of per-pair rows into the pairs' rows of `out` (or, one pair per row, the rows themselves)."""
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
@@ -604,19 +619,18 @@ def _swiglu_bwd_dx_kernel(
         a_desc = pre_ptr       # unused
         w_desc = w_ptr
     if PERSISTENT:
-        lo, hi, tiles_start, tiles_end = expert_tile_table(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
-        num_pid_m = tl.max(tiles_end, axis=0).to(tl.int32)
+        lo, hi, tiles_start, tiles_end, num_pid_m = persistent_schedule(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
         programs = tl.num_programs(0)
         tile_out = tl.program_id(0) - programs
         for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, programs, flatten=True):
-            pid_m, pid_n = swizzle_tiles(tile, num_pid_m, num_pid_n, GROUP_SIZE)
-            expert, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            expert, start, end, pid_n = tile_at(tile, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE,
+                                                BLOCK_M, EXPERTS_P2)
             acc = _swiglu_dx_tile(dh_ptr, pre_ptr, w_ptr, a_desc, w_desc, expert, start, end, pid_n, D, F,
                                   stride_dm, stride_df, stride_pm, stride_pf, stride_we, stride_wf, stride_wd,
                                   PRECISION, GRADS_READY, TMA, BLOCK_M, BLOCK_N, BLOCK_K)
             tile_out += programs
-            pid_m, pid_n = swizzle_tiles(tile_out, num_pid_m, num_pid_n, GROUP_SIZE)
-            _, start, end = locate_tile(pid_m, lo, hi, tiles_start, tiles_end, BLOCK_M, EXPERTS_P2)
+            _, start, end, pid_n = tile_at(tile_out, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE,
+                                           BLOCK_M, EXPERTS_P2)
             store_pair_rows(acc, dxp_ptr, row_ptr, start, end, pid_n, D, stride_xm, stride_xd, SCATTER_ROWS,
                         BLOCK_M, BLOCK_N)
     else:

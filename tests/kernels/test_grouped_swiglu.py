@@ -205,11 +205,13 @@ def test_persistent_forward_matches_reference(case, tma, poisoned_empty):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["tile_per_program", "persistent"])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-def test_backward_dx_operand_paths_match_reference(tma, bwd_mode, poisoned_empty):
+def test_backward_dx_operand_paths_match_reference(tma, persistent, bwd_mode, poisoned_empty):
     """dx with F = 128 (a multiple of every BLOCK_K): in the materialised mode the dx GEMM loads
     [dg | du] and the weights through tensor descriptors; the fused mode and `tma_disabled` use
-    pointers. Tiles cross experts (uneven pair counts); D = 40 is not a multiple of the N block."""
+    pointers. Tiles cross experts (uneven pair counts); D = 40 is not a multiple of the N block.
+    `persistent`: a PERSISTENT config, 3 programs looping over the tiles in the interpreter."""
     gen = torch.Generator().manual_seed(7)
     rows, hidden, ffn, experts = 26, 40, 128, 3
     routing = [torch.randperm(experts, generator=gen)[:2].tolist() if r % 3 else [1] for r in range(rows)]
@@ -217,32 +219,15 @@ def test_backward_dx_operand_paths_match_reference(tma, bwd_mode, poisoned_empty
     x = torch.randn(rows, hidden, generator=gen).to(DEVICE).requires_grad_()
     w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).to(DEVICE).requires_grad_()
     module = importlib.import_module("occult.kernels.grouped_swiglu")
-    with contextlib.nullcontext() if tma else module.tma_disabled():
+    meta = {**module.fixed_gemm_meta(torch.float32, pair_row.numel()), "PERSISTENT": 1}
+    forced = module.forced_gemm_meta("_swiglu_bwd_dx_kernel", meta) if persistent else contextlib.nullcontext()
+    with forced, contextlib.nullcontext() if tma else module.tma_disabled():
         h = grouped_swiglu(x, pair_row, offsets, w)
         grad_out = torch.randn(h.shape, generator=gen).to(DEVICE)
         dx, dw = torch.autograd.grad(h, (x, w), grad_out)
     _, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, grad_out)
     torch.testing.assert_close(dx, dx_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(dw, dw_ref, atol=1e-4, rtol=1e-4)
-
-@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
-def test_persistent_backward_dx_matches_reference(tma, bwd_mode, poisoned_empty):
-    """The dx GEMM with a PERSISTENT config (3 programs looping over tiles in the interpreter), on
-    both operand paths and both ways of forming [dg | du]."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
-    gen = torch.Generator().manual_seed(8)
-    rows, hidden, ffn, experts = 26, 40, 128, 3
-    routing = [torch.randperm(experts, generator=gen)[:2].tolist() if r % 3 else [1] for r in range(rows)]
-    pair_row, offsets = (t.to(DEVICE) for t in pairs_from_rows(routing, experts))
-    x = torch.randn(rows, hidden, generator=gen).to(DEVICE).requires_grad_()
-    w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).to(DEVICE).requires_grad_()
-    meta = {**module.fixed_gemm_meta(torch.float32, pair_row.numel()), "PERSISTENT": 1}
-    with module.forced_gemm_meta("_swiglu_bwd_dx_kernel", meta), \
-            contextlib.nullcontext() if tma else module.tma_disabled():
-        h = grouped_swiglu(x, pair_row, offsets, w)
-        grad_out = torch.randn(h.shape, generator=gen).to(DEVICE)
-        (dx,) = torch.autograd.grad(h, (x,), grad_out)
-    torch.testing.assert_close(dx, reference_grads(x, pair_row, offsets, w, grad_out)[1], atol=1e-4, rtol=1e-4)
 
 
 def test_weights_without_a_descriptor_layout_load_through_pointers(poisoned_empty):
