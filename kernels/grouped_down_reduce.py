@@ -205,7 +205,7 @@ def _down_bwd_dh_kernel(
 @triton.jit
 def _down_bwd_dw_kernel(
     dy_ptr, row_ptr, gate_ptr, h_ptr, offsets_ptr, dw_ptr,
-    M, D, F,
+    D, F,
     stride_yr, stride_yd, stride_gm, stride_hm, stride_hf, stride_we, stride_wd, stride_wf,
     PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -226,9 +226,9 @@ def _down_bwd_dw_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:
-        # h [M, F] in expert order: the last K block's rows past the expert's pairs are the next
-        # expert's (or zeros past M), and meet zero rows of the scaled dy (finite h assumed).
-        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[M, F], strides=[stride_hm, 1],
+        # h [M, F] in expert order, seen only up to this expert's last pair: the last K block reads
+        # zeros past it (never the next expert's rows or a padded plan's unwritten ones).
+        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[tl.maximum(hi, 1), F], strides=[stride_hm, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
     for k0 in range(lo, hi, BLOCK_K):
         pairs = k0 + offs_k
@@ -384,7 +384,7 @@ def grouped_down_reduce_backward(
             dw_EDF = torch.empty(num_experts, hidden, ffn, dtype=w_down_EDF.dtype, device=h_MF.device)
             args = (
                 dy_RD, pair_row_M, pair_gate_M, h_MF, expert_offsets, dw_EDF,
-                num_pairs, hidden, ffn,
+                hidden, ffn,
                 *dy_RD.stride(), *pair_gate_M.stride(), *h_MF.stride(), *dw_EDF.stride(),
             )
 

@@ -647,7 +647,7 @@ def _swiglu_bwd_dx_kernel(
 @triton.jit
 def _swiglu_bwd_dw_kernel(
     dh_ptr, pre_ptr, x_ptr, row_ptr, offsets_ptr, dw_ptr,
-    M, D, F,
+    D, F,
     stride_dm, stride_df, stride_pm, stride_pf, stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
     PRECISION: tl.constexpr, GRADS_READY: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -669,10 +669,11 @@ def _swiglu_bwd_dw_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if TMA:
-        # Only with [dg | du] materialised ([M, 2F] in expert order): the last K block's rows past
-        # the expert's pairs are the next expert's (or zeros past M) and meet zero x rows (finite
-        # values assumed); a dg tile's columns past F are du's, in masked-out rows of dW.
-        g_desc = tl.make_tensor_descriptor(pre_ptr, shape=[M, 2 * F], strides=[stride_pm, 1],
+        # Only with [dg | du] materialised ([M, 2F] in expert order). The descriptor ends at this
+        # expert's last pair, so the last K block reads zeros past it (never the next expert's rows
+        # or a padded plan's unwritten ones); a dg tile's columns past F are du's, in masked-out
+        # rows of dW. (max: a descriptor of an empty expert, never loaded from, keeps one row.)
+        g_desc = tl.make_tensor_descriptor(pre_ptr, shape=[tl.maximum(hi, 1), 2 * F], strides=[stride_pm, 1],
                                            block_shape=[BLOCK_K, BLOCK_M])
     for k0 in range(lo, hi, BLOCK_K):
         pairs = k0 + offs_k
@@ -873,7 +874,7 @@ def grouped_swiglu_backward(
             dw_E2FD = torch.empty(num_experts, two_f, hidden, dtype=w_gate_up_E2FD.dtype, device=x_RD.device)
             args = (
                 dh_MF, preact_M2F, x_RD, pair_row_M, expert_offsets, dw_E2FD,
-                num_pairs, hidden, ffn,
+                hidden, ffn,
                 *dh_MF.stride(), *preact_M2F.stride(), *x_RD.stride(), *dw_E2FD.stride(),
             )
 

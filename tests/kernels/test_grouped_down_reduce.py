@@ -300,3 +300,25 @@ def test_bad_row_table_names_the_field():
     h, pair_row, gate, offsets, w, rows = make_case("basic", torch.float32)
     with pytest.raises(ValueError, match="row_pairs_RK"):
         grouped_down_reduce(h, pair_row, gate, offsets, w, rows, row_pairs_RK=torch.zeros(rows + 1, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_backward_ignores_padded_pairs_past_the_last_expert(tma):
+    """A padded plan (`occult.ep` static mode) has more pair rows than pairs: rows past
+    expert_offsets[-1] are never written (NaN here). The dW GEMM's last K block must not read
+    them, nor the next expert's rows: its descriptor ends at the expert's last pair."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    h, pair_row, gate, offsets, w, rows = make_case("npow2", torch.float32)
+    pad = 7
+    h_pad = torch.cat([h, torch.full((pad, h.shape[1]), float("nan"), device=h.device)])
+    row_pad = torch.cat([pair_row, torch.zeros(pad, dtype=pair_row.dtype, device=pair_row.device)])
+    gate_pad = torch.cat([gate, torch.full((pad,), float("nan"), device=gate.device)])
+    dy = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(2)).to(h.device)
+    backward = importlib.import_module("occult.kernels.grouped_down_reduce").grouped_down_reduce_backward
+    with contextlib.nullcontext() if tma else module.tma_disabled():
+        dh, dgate, dw = backward(dy, h_pad, row_pad, gate_pad, offsets, w, True, True)
+    _, dh_ref, dgate_ref, dw_ref = reference_grads(h, pair_row, gate, offsets, w, rows, dy)
+    n = h.shape[0]
+    torch.testing.assert_close(dw, dw_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dh[:n], dh_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dgate[:n], dgate_ref, atol=1e-4, rtol=1e-4)

@@ -467,3 +467,29 @@ def _compile_every_launch_for_sm90() -> int:
 
 if __name__ == "__main__":
     print(f"compiled {_compile_every_launch_for_sm90()} kernel variants for sm_90")
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_backward_ignores_padded_pairs_past_the_last_expert(tma, bwd_mode):
+    """Rows past expert_offsets[-1] of a padded plan are never written (NaN here): the dW GEMM's
+    last K block must read zeros there (its descriptor ends at the expert's last pair), and dx,
+    summed through a row table that lists only real pairs (as the layer's plan does), must not
+    see them."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    x, pair_row, offsets, w = make_case("npow2", torch.float32)
+    n, ffn, pad = pair_row.numel(), w.shape[1] // 2, 5
+    _, preact = module.grouped_swiglu_forward(x, pair_row, offsets, w, True)
+    nan_rows = torch.full((pad, 2 * ffn), float("nan"), device=x.device)
+    preact_pad = torch.cat([preact, nan_rows])
+    row_pad = torch.cat([pair_row, torch.zeros(pad, dtype=pair_row.dtype, device=pair_row.device)])
+    dh = torch.randn(n, ffn, generator=torch.Generator().manual_seed(3)).to(x.device)
+    dh_pad = torch.cat([dh, nan_rows[:, :ffn]])
+    table = torch.full((x.shape[0], 4), -1, dtype=torch.long)
+    for m, r in enumerate(pair_row.tolist()):
+        table[r, int((table[r] >= 0).sum())] = m
+    with contextlib.nullcontext() if tma else module.tma_disabled():
+        dx, dw = module.grouped_swiglu_backward(dh_pad, x, row_pad, offsets, w, preact_pad, True, True,
+                                                table.to(x.device), bwd_mode=bwd_mode)
+    _, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, dh)
+    torch.testing.assert_close(dw, dw_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dx, dx_ref, atol=1e-4, rtol=1e-4)
