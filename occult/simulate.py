@@ -416,6 +416,9 @@ class CostModel:
     naive_ns_per_pair: dict[str, float] = dataclasses.field(default_factory=dict)   # pass -> ns at D = 1
     pe_per_row_ns: float | None = None          # per_expert rows' other GPU work (None: the dedup rate)
     host: dict[tuple[str, str, int], HostTerms] = dataclasses.field(default_factory=dict)
+    # fwd+bwd kernels' own curve (forward GFLOP per ms of fwd+bwd time vs the call's forward GFLOP),
+    # where the calibration's fwd+bwd `-compute` rows span >= 2 sizes; else the one scale above
+    kernel_train_tflops: LogLogCurve | None = None
 
     def host_for(self, family: str, pass_: str, num_devices: int) -> HostTerms | None:
         """The calibrated terms at this D, else at the largest calibrated D below it (documented
@@ -506,9 +509,12 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
             raise SimulateError("simulate.calibration: no occult-compute rows give the kernel throughput")
         # math at the curve's throughput for the call's work, plus the weight reads, which a call with
         # few rows per expert does not hide behind its math (the curve is fitted net of them)
-        kernels_D = np.array([f / (cost.kernel_tflops(g) * 1e12) * 1e3 for f, g in zip(flops_D, gflop_D)])
-        if train:
-            kernels_D = kernels_D * (cost.kernel_train_scale or float("nan"))
+        if train and cost.kernel_train_tflops is not None:
+            kernels_D = np.array([f / (cost.kernel_train_tflops(g) * 1e12) * 1e3 for f, g in zip(flops_D, gflop_D)])
+        else:
+            kernels_D = np.array([f / (cost.kernel_tflops(g) * 1e12) * 1e3 for f, g in zip(flops_D, gflop_D)])
+            if train:
+                kernels_D = kernels_D * (cost.kernel_train_scale or float("nan"))
         kernels_D = kernels_D + floor_D
         # below the smallest measured call the chain of expert kernels is latency-bound: weight reads
         # plus a fixed floor (fitted on graph replays smaller than any `-compute` row)
@@ -1051,6 +1057,15 @@ def kernel_rows(points: Sequence[MeasuredPoint], pass_: str, dense_tflops: float
     return out
 
 
+def median_curve(samples: Sequence[tuple[float, float]]) -> LogLogCurve:
+    """A log-log curve through the median y of each distinct x (6 significant digits), flat beyond."""
+    by_x: dict[float, list[float]] = {}
+    for x, y in samples:
+        by_x.setdefault(float(f"{x:.6g}"), []).append(y)
+    xs = np.array(sorted(by_x))
+    return LogLogCurve(xs, np.array([np.median(by_x[x]) for x in xs]), extend="flat")
+
+
 def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
     """Fill the kernel curve, Occult's other GPU work, the naive per-pair cost and the host terms
     from the calibration points only (in that order: each step uses the ones before)."""
@@ -1058,18 +1073,16 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
     # 1. kernels: forward TFLOP/s curve, fwd+bwd scale at the same pairs
     fwd = kernel_rows(calib, "fwd", cost.dense_tflops, cost.hbm_bytes_per_ms)
     if fwd:
-        by_x: dict[float, list[float]] = {}
-        for x, tflops, _ in fwd:
-            by_x.setdefault(float(f"{x:.6g}"), []).append(tflops)
-        xs = np.array(sorted(by_x))
-        cost = dataclasses.replace(cost, kernel_tflops=LogLogCurve(xs, np.array([np.median(by_x[x]) for x in xs]),
-                                                                   extend="flat"))
+        cost = dataclasses.replace(cost, kernel_tflops=median_curve([(gflop, tflops) for gflop, tflops, _ in fwd]))
         train = kernel_rows(calib, "train", cost.dense_tflops, cost.hbm_bytes_per_ms)
         if train:
             scales = []
             for gflop, tflops, p in train:     # fwd+bwd math over forward math at the same call
                 scales.append(cost.kernel_tflops(gflop) / tflops)
             cost = dataclasses.replace(cost, kernel_train_scale=float(np.median(scales)))
+            train_curve = median_curve([(gflop, tflops) for gflop, tflops, _ in train])
+            if len(train_curve.x) >= 2:        # sizes apart: the backward's own curve, not one ratio
+                cost = dataclasses.replace(cost, kernel_train_tflops=train_curve)
     # 2. Occult's other GPU work, from graph replays (no host time in them)
     if cost.kernel_tflops is not None:
         graphs = [p for p in calib if p.spec.family == "occult-graph" and p.pass_ == "fwd"]

@@ -534,3 +534,31 @@ def test_predictions_on_a_recorded_trace(tmp_path):
     with pytest.raises(SimulateError, match="routes over 8 experts, shape olmoe has 64"):
         run_simulate(cfg, 0, tmp_path / "out2", None,
                      recorded=RecordedRequest(profile, "sample", "olmoe", None, tmp_path / "t2.csv"))
+
+
+def test_fwd_bwd_kernels_get_their_own_curve_from_two_or_more_sizes(tmp_path):
+    """One fwd+bwd `-compute` size gives one time ratio to the forward curve; two or more sizes give
+    the fwd+bwd kernels their own curve, which then predicts a size between them (here the
+    backward's relative cost falls 4x from the small to the large call, which no single ratio fits)."""
+    def run(train_sizes):
+        rows = [{"kind": "prefill", "shape": "tiny", "method": "occult-compute", "D": 2, "tokens_per_gpu": t,
+                 "median_ms": t / 100000, "pairs_received_max": 2 * t} for t in (256, 1024, 4096)]
+        for t, ratio in ((512, 8.0), (2048, 4.0), (8192, 2.0)):     # log-linear in size
+            rows.append({"kind": "train", "shape": "tiny", "method": "occult-compute", "D": 2, "tokens_per_gpu": t,
+                         "median_ms": ratio * t / 100000, "pairs_received_max": 2 * t})
+        path = measured_csv(tmp_path / f"train{len(train_sizes)}.csv", rows)
+        sizes = ",".join(str(t) for t in (256, 1024, 4096, *train_sizes))
+        cfg = settings(measured=(path,), calibration=(f"{path}@tokens_per_gpu={sizes}",), hbm_gbps=None)
+        traces = {"tiny": ShapeTraces(get_shape("tiny"), cfg.pool_tokens, 0)}
+        table, fitted = validate(cfg, traces, build_cost_model(cfg), read_measured(cfg.measured, cfg.calibration))
+        middle = table[(table["kind"] == "train") & (table["tokens_per_gpu"] == 2048)].iloc[0]
+        assert middle["role"] == "validation"
+        return fitted, middle
+
+    one, middle_one = run((8192,))
+    assert one.kernel_train_scale is not None and one.kernel_train_tflops is None
+    assert abs(middle_one["rel_err"]) > 0.15            # one ratio, taken at the large call, misses
+    two, middle_two = run((512, 8192))
+    assert two.kernel_train_tflops is not None and len(two.kernel_train_tflops.x) == 2
+    # the rest of the error is the trace's busiest-device pairs against the rows' recorded ones
+    assert abs(middle_two["rel_err"]) < 0.12 and abs(middle_two["rel_err"]) < abs(middle_one["rel_err"]) / 3
