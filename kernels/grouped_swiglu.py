@@ -183,12 +183,19 @@ def forced_gemm_meta(name: str, meta: Mapping[str, int]):
             _FORCED_META[name] = previous
 
 
+# The config each GEMM kernel was last launched with (None: autotuned), by kernel name: what an op
+# launches by default, as its own launcher decided it (the config sweep's "pinned" row).
+LAST_LAUNCH_META: dict[str, Mapping[str, int] | None] = {}
+
+
 def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dtype, num_pairs: int,
                 shape: tuple[int, int] | None = None) -> None:
     """Launch `kernel` with the fixed, forced or measured config for (dtype, size, (D, F) = `shape`),
     or its autotuned wrapper `tuned`. The device is that of the first tensor argument."""
     device = args[0].device if shape is not None else None
-    meta = fixed_gemm_meta(dtype, num_pairs, kernel_name(kernel), shape, device, bool(consts.get("TMA", False)))
+    name = kernel_name(kernel)
+    meta = fixed_gemm_meta(dtype, num_pairs, name, shape, device, bool(consts.get("TMA", False)))
+    LAST_LAUNCH_META[name] = meta
     if meta is None:
         tuned[grid](*args, **consts)
     else:

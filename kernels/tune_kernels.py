@@ -188,7 +188,7 @@ def sweep_kernel(kernel: str, inp: Inputs, metas: list[dict[str, int]], flops: f
     run = op_runner(kernel, inp)
     autotuned = _autotuner_only(run)
     want = autotuned()
-    pinned = pinned_meta(spec.name, inp)
+    pinned = pinned_meta(spec.name, run)
     labelled = [("autotuned", None), *([("pinned", dict(pinned))] if pinned else []), *[("forced", m) for m in metas]]
     rows = []
     for index, (label, meta) in enumerate(labelled):
@@ -223,17 +223,11 @@ def sweep_kernel(kernel: str, inp: Inputs, metas: list[dict[str, int]], flops: f
     return rows
 
 
-def pinned_meta(name: str, inp: Inputs):
-    """The `TUNED_GEMM_META` config the op launches by default for this workload, or None."""
-    if not any(key[0] == name for key in swiglu_module.TUNED_GEMM_META):
-        return None
-    tma = ((name == "_swiglu_fwd_kernel" and swiglu_module.use_tma(inp.w_gate_up))      # the operand path
-           or (name == "_down_fwd_kernel" and swiglu_module.use_tma(inp.h, inp.w_down))    # each op's launcher takes
-           or (name == "_swiglu_bwd_dx_kernel" and swiglu_module.swiglu_dx_uses_tma(inp.preact, inp.w_gate_up, True))
-           or (name == "_swiglu_bwd_dw_kernel" and swiglu_module.use_tma(inp.preact))      # materialised [dg | du]
-           or (name == "_down_bwd_dw_kernel" and swiglu_module.use_tma(inp.h)))
-    meta = swiglu_module.fixed_gemm_meta(inp.x.dtype, inp.rows.shape[0], name,
-                                         (inp.x.shape[1], inp.w_gate_up.shape[1] // 2), inp.x.device, tma)
+def pinned_meta(name: str, run: Callable[[], object]):
+    """The `TUNED_GEMM_META` config the op launches by default for this workload, or None: one
+    default run of the op, then its launcher's choice for kernel `name` (`LAST_LAUNCH_META`)."""
+    run()
+    meta = swiglu_module.LAST_LAUNCH_META.get(name)
     return meta if any(meta is tuned for tuned in swiglu_module.TUNED_GEMM_META.values()) else None
 
 

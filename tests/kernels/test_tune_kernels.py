@@ -73,7 +73,7 @@ def test_a_config_that_changes_the_result_is_marked_wrong(monkeypatch):
         return lambda: (x + (1.0 if swiglu_module._FORCED_META else 0.0),)
 
     monkeypatch.setattr(tune_kernels, "op_runner", fake_runner)
-    monkeypatch.setattr(tune_kernels, "pinned_meta", lambda name, inp: None)     # no real inputs here
+    monkeypatch.setattr(tune_kernels, "pinned_meta", lambda name, run: None)     # no real launch here
     metas = [{"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2, "GROUP_SIZE": 8}]
     rows = tune_kernels.sweep_kernel("down_fwd", None, metas, 1.0, False, 1, 1, deadline=float("inf"))
     assert [row["status"] for row in rows] == ["ok", "wrong"]
@@ -159,3 +159,16 @@ def test_explicit_configs_are_parsed_and_timed_as_given(tmp_path):
     forced = pd.read_csv(out).query("config == 'forced'")
     assert forced["BLOCK_N"].tolist() == [16, 32] and (forced["status"] == "ok").all()
     assert forced["extra_meta"].fillna("").tolist() == ["", "PERSISTENT=1"]
+
+
+def test_the_pinned_row_is_the_config_the_op_launched(monkeypatch):
+    """`pinned_meta` reports what the op's launcher chose: a TUNED_GEMM_META entry, else None."""
+    tuned = swiglu_module.TUNED_GEMM_META[("_down_fwd_kernel", 9, 2048, 1024, True)]
+    monkeypatch.setitem(swiglu_module.LAST_LAUNCH_META, "_down_fwd_kernel", None)
+
+    def run_with(meta):
+        return lambda: swiglu_module.LAST_LAUNCH_META.__setitem__("_down_fwd_kernel", meta)
+
+    assert tune_kernels.pinned_meta("_down_fwd_kernel", run_with(tuned)) is tuned
+    assert tune_kernels.pinned_meta("_down_fwd_kernel", run_with(dict(tuned))) is None      # equal, not pinned
+    assert tune_kernels.pinned_meta("_down_fwd_kernel", run_with(swiglu_module.SMALL_GEMM_META)) is None
