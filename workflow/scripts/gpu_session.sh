@@ -17,6 +17,8 @@
 #         evaluate with QUALITY_GPUS = the GPUs present), leaving SESSION_D1_S (0) seconds for D1.
 #     D1. GPU 0: the D=1 sweeps SESSION_D1_KINDS (default "train decode"), then the kernel config
 #         sweep (gpu_tune.sh) unless SESSION_TUNE=0.
+#     K.  GPU 0: the bf16 GPU tests of the kernels and the EP layer while the baselines build, then
+#         the kernel benchmark with power telemetry (gpu_kernels.sh), for at most SESSION_K_S (420).
 #     B.  instead of Q and D1: the quality study on GPU 0 beside D1 on GPU 1 (its torchrun on
 #         another port).
 #     P.  all GPUs, for at most SESSION_P_S (420): the quality study's data-parallel pre-training.
@@ -50,11 +52,13 @@ poll)
     [ -e "$R/done" ] && echo "runner: done" || echo "runner: still running"
     cp "$S/runner.log" "$R/runner.log" 2>/dev/null
     tar -C "$R" --exclude=wheels -czf "$OUT/session.tgz" . && tail -40 "$S/runner.log"
+    # the baselines' wheels once (WHEEL_CACHE for a later session on the same image)
+    [ -e "$R/done" ] && [ "${POLL_WHEELS:-0}" = 1 ] && cp "$R"/wheels/*.whl "$OUT/" 2>/dev/null
     newest=$(ls -t "$R"/quality/*.log 2>/dev/null | head -1)     # the quality study's own progress
     [ -n "$newest" ] && { echo "-- $newest"; tr '\r' '\n' < "$newest" | grep -v '^\s*$' | tail -4; } ;;
 run)
     T0=$(date +%s); END=$(( T0 + ${SESSION_BUDGET_S:-1440} ))
-    export OCCULT_COMMIT=$(cat .carry/quality/COMMIT 2>/dev/null || echo unknown)
+    export OCCULT_COMMIT=${OCCULT_COMMIT:-$(cat .carry/quality/COMMIT 2>/dev/null || echo unknown)}
     { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
       python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
       echo "commit: $OCCULT_COMMIT"; } > "$R/machine.txt" 2>&1
@@ -65,7 +69,8 @@ run)
     [ "$build" = skip ] || ( WHEEL_CACHE=$ROOT/.thirdparty/wheels bash $here/build_baselines.sh "$sdist" /tmp/occult-baselines
       mkdir -p /tmp/occult-tutel && tar xzf "$sdist"/tutel-*.tar.gz -C /tmp/occult-tutel
       ( cd /tmp/occult-tutel/*/ && python3 -m pip install -q --no-deps --no-build-isolation --no-index . ) \
-        && python3 -c 'import tutel; print("import tutel: ok")' || echo "tutel: FAILED to install" ) > "$R/build.log" 2>&1 &
+        && python3 -c 'import tutel; print("import tutel: ok")' || echo "tutel: FAILED to install"
+      mkdir -p "$R/wheels" && cp /tmp/occult-baselines/wheels/*.whl "$R/wheels/" 2>/dev/null ) > "$R/build.log" 2>&1 &
     [ "$build" = skip ] || build=$!
     stage_A() {     # EP benchmark and baselines on all GPUs, until the deadline $1
         local until=$1 group
@@ -123,6 +128,17 @@ run)
         fi
         pkill -f "occult.sweep|occult.commbench" 2>/dev/null; sleep 2
     }
+    kernel_stage() {     # bf16 GPU tests (beside the build), then the kernel bench, until the deadline $1
+        local until=$1
+        mkdir -p "$R/kernels"
+        CUDA_VISIBLE_DEVICES=0 timeout "$(left $until)" python3 -m pytest tests/kernels tests/ep -m gpu -q \
+            -p no:cacheprovider > "$R/kernels/gpu_tests.log" 2>&1
+        tail -3 "$R/kernels/gpu_tests.log"
+        wait $build 2>/dev/null; tail -3 "$R/build.log"
+        [ "$(left $until)" -gt 60 ] && CUDA_VISIBLE_DEVICES=0 timeout "$(left $until)" env GPU_TESTS=none \
+            bash $here/gpu_kernels.sh "$R/kernels" > "$R/kernels_bench.log" 2>&1
+        tail -4 "$R/kernels_bench.log"
+    }
     gpus=$(visible_gpus)
     for stage in ${SESSION_STAGES:-A Q D1}; do
         [ "$(left $END)" -gt 60 ] || { stamp "no time left for stage $stage"; break; }
@@ -131,6 +147,8 @@ run)
                CUDA_VISIBLE_DEVICES=0,1 stage_A "$(deadline "${SESSION_A_S:-600}" $END)" ;;
             Q) stamp "Q: quality on all $gpus GPUs"
                QUALITY_GPUS=$gpus quality "$(deadline "${SESSION_Q_S:-100000}" $(( END - ${SESSION_D1_S:-0} )))" ;;
+            K) stamp "K: GPU tests, then the kernel benchmark on GPU 0"
+               kernel_stage "$(deadline "${SESSION_K_S:-420}" $END)" ;;
             D1) stamp "D1: D=1 sweeps and the kernel config sweep on GPU 0"
                 CUDA_VISIBLE_DEVICES=0 d1_lane $END ;;
             DN) stamp "DN: sweeps at D=$gpus"
@@ -145,7 +163,7 @@ run)
                CUDA_VISIBLE_DEVICES=0 QUALITY_GPUS=1 quality $END &
                CUDA_VISIBLE_DEVICES=1 PET_MASTER_PORT=29611 d1_lane $END &
                wait ;;
-            *) stamp "unknown stage $stage (A Q D1 B DN P L)" ;;
+            *) stamp "unknown stage $stage (A K Q D1 B DN P L)" ;;
         esac
     done
     stamp "runner done"; touch "$R/done" ;;
