@@ -10,12 +10,11 @@
 set -uo pipefail
 out=${1:?usage: gpu_all.sh OUTDIR SDIST_DIR ROUTING_NPZ}; sdist=$(realpath "${2:?}"); trace=$(realpath "${3:?}")
 here=$(cd "$(dirname "$0")" && pwd)
+. "$here/common.sh"
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L | wc -l)
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  echo "commit: ${OCCULT_COMMIT:-unknown}"; } > "$out/machine.txt" 2>&1
+machine_facts > "$out/machine.txt" 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || tail -5 "$out/install.log"
 echo "== GPU tests ($(date -u +%T))"
 timeout 300 python3 -m pytest tests/kernels tests/ep -m gpu -q -p no:cacheprovider > "$out/gpu_tests.log" 2>&1

@@ -10,9 +10,8 @@ set -uo pipefail
 out=${1:?usage: gpu_kernels.sh OUTDIR}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv; nvidia-smi topo -m;
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)';
-  echo "commit: ${OCCULT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"; } > "$out/machine.txt" 2>&1
+. "$(dirname "$0")/common.sh"
+machine_facts > "$out/machine.txt" 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || cat "$out/install.log"
 tests=${GPU_TESTS:-tests/kernels tests/ep}
 if [ "$tests" != none ]; then

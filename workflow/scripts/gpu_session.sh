@@ -59,9 +59,7 @@ poll)
 run)
     T0=$(date +%s); END=$(( T0 + ${SESSION_BUDGET_S:-1440} ))
     export OCCULT_COMMIT=${OCCULT_COMMIT:-$(cat .carry/quality/COMMIT 2>/dev/null || echo unknown)}
-    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nvidia-smi topo -m
-      python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-      echo "commit: $OCCULT_COMMIT"; } > "$R/machine.txt" 2>&1
+    machine_facts > "$R/machine.txt" 2>&1
     python3 -m pip install -q --no-deps --no-build-isolation -e . > "$R/install.log" 2>&1 || tail -5 "$R/install.log"
     here=workflow/scripts; trace=$ROOT/.carry/trace/routing_heldout.npz; sdist=$ROOT/.thirdparty/sdist
     build=""     # the baselines build on the CPU while the GPUs work, for the stages that run them

@@ -8,9 +8,8 @@ set -uo pipefail
 out=${1:?usage: gpu_tune.sh OUTDIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
-  echo "commit: ${OCCULT_COMMIT:-unknown}"; } > "$out/machine.txt" 2>&1
+. "$(dirname "$0")/common.sh"
+machine_facts > "$out/machine.txt" 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || tail -5 "$out/install.log"
 limit=${TUNE_LIMIT_S:-420}
 echo "== tune_kernels ($(date -u +%T)), limit ${limit}s"
