@@ -99,7 +99,10 @@ GROUP_M = 8
 # the same grid in the same call (results/nvidia-h200/tune_v3/tune.csv). Interleaved A/B pairs in one
 # process (results/nvidia-h200/kernels_v8/tune_ab.csv): the persistent down GEMM 1.05/1.09 ms against
 # 1.18/1.28 one tile per program; descriptor dW operands, down 1.60/1.58 against 1.82/1.84 ms with
-# pointers (same config), SwiGLU 2.72/2.72 against 2.73/2.86.
+# pointers (same config), SwiGLU 2.72/2.72 against 2.73/2.86. At F = 1408 (Qwen1.5-MoE, DeepSeek-MoE;
+# DeepSeek's 98k pairs a rank, A B A B after the autotuner's pick, results/nvidia-h200/tune_v5) the
+# same two pins won: the persistent down GEMM 0.98/1.06 ms against the autotuner's 1.16, the SwiGLU
+# dW 2.53/2.76 against 2.88; the forward SwiGLU, dx, down dh and dW autotune (within 2% of the pins).
 TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = MappingProxyType({
     ("_swiglu_fwd_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
@@ -116,6 +119,11 @@ TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = M
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}),
     ("_swiglu_bwd_dw_kernel", 9, 2048, 1024, False): MappingProxyType(
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}),
+    # Qwen1.5-MoE and DeepSeek-MoE experts (F = 1408), results/nvidia-h200/tune_v5
+    ("_down_fwd_kernel", 9, 2048, 1408, True): MappingProxyType(
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "PERSISTENT": 1}),
+    ("_swiglu_bwd_dw_kernel", 9, 2048, 1408, True): MappingProxyType(
         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}),
 })
 
