@@ -86,14 +86,31 @@ def speedups(frame: pd.DataFrame, tokens: int = REFERENCE_TOKENS) -> pd.DataFram
     return pd.DataFrame(rows)
 
 
+SPEEDUP_BARS = {"occult": ("Occult exact, eager", "#4c72b0"), "occult-graph": ("Occult exact, CUDA graph", "#dd8452")}
+SPEEDUP_BASELINES = ("megablocks", "tutel", "naive")
+
+
 def plot_speedups(table: pd.DataFrame, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    sub = table[(table["occult"] == "occult") & table["baseline"].isin(["megablocks", "tutel", "naive"])]
-    labels = [f"{r.shape}\nD={r.D}\nvs {r.baseline}" for r in sub.itertuples()]
-    ax.bar(range(len(sub)), sub["speedup"], color="#4c72b0")
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(sub)), labels, fontsize=7)
-    ax.set_ylabel(f"speedup of Occult exact at {REFERENCE_TOKENS} tokens/GPU")
+    """Horizontal bars: per (shape, D, baseline) one bar for each Occult variant of SPEEDUP_BARS."""
+    sub = table[table["occult"].isin(list(SPEEDUP_BARS)) & table["baseline"].isin(SPEEDUP_BASELINES)]
+    groups = sorted(sub.groupby(["shape", "D", "baseline"]).groups,
+                    key=lambda key: (key[0], key[1], SPEEDUP_BASELINES.index(key[2])))
+    variants = [v for v in SPEEDUP_BARS if v in set(sub["occult"])]
+    height = 0.8 / max(1, len(variants))
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(groups) + 1.2))
+    for offset, variant in enumerate(variants):
+        label, color = SPEEDUP_BARS[variant]
+        values = sub[sub["occult"] == variant].set_index(["shape", "D", "baseline"])["speedup"]
+        ys = [index + (offset - (len(variants) - 1) / 2) * height for index in range(len(groups))]
+        xs = [values.get(key, float("nan")) for key in groups]
+        bars = ax.barh(ys, xs, height=height, color=color, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=2)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks(range(len(groups)), [f"{shape}, D={d}, vs {base}" for shape, d, base in groups], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"speedup over the baseline at {REFERENCE_TOKENS} tokens/GPU (prefill; >1: Occult faster)",
+                  fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
     _save(fig, path)
 
 
