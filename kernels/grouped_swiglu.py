@@ -666,10 +666,16 @@ def _swiglu_bwd_dw_kernel(
     stride_dm, stride_df, stride_pm, stride_pf, stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
     PRECISION: tl.constexpr, GRADS_READY: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X_TMA: tl.constexpr = 0, ONE_ACC: tl.constexpr = 0,
 ):
-    # Output tile [BLOCK_M of F, BLOCK_N of D] of expert e; the reduction runs over e's pairs.
+    # Output tile [BLOCK_M of F, BLOCK_N of D] of expert e (of 2F with ONE_ACC); the reduction runs
+    # over e's pairs. Both options need TMA ([dg | du] through a descriptor). X_TMA: x_ptr holds x
+    # already gathered in pair order ([M, D]), loaded through a descriptor like [dg | du] (no row
+    # gather in the K loop). ONE_ACC: [dg | du] is one [M, 2F] operand and dW_gate_up one [2F, D]
+    # output, so a tile needs one accumulator instead of a gate and an up one.
     pid = tl.program_id(0)
-    tiles_f = tl.cdiv(F, BLOCK_M)
+    out_rows = 2 * F if ONE_ACC else F
+    tiles_f = tl.cdiv(out_rows, BLOCK_M)
     tiles_d = tl.cdiv(D, BLOCK_N)
     expert = pid // (tiles_f * tiles_d)
     pid_f = (pid % (tiles_f * tiles_d)) // tiles_d
@@ -677,7 +683,7 @@ def _swiglu_bwd_dw_kernel(
     lo = tl.load(offsets_ptr + expert).to(tl.int32)     # pair counts fit int32; descriptor offsets need it
     hi = tl.load(offsets_ptr + expert + 1).to(tl.int32)
     offs_f = pid_f * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_f = offs_f < F
+    mask_f = offs_f < out_rows
     offs_d = pid_d * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_d = offs_d < D
     offs_k = tl.arange(0, BLOCK_K)
@@ -690,34 +696,46 @@ def _swiglu_bwd_dw_kernel(
         # rows of dW. (max: a descriptor of an empty expert, never loaded from, keeps one row.)
         g_desc = tl.make_tensor_descriptor(pre_ptr, shape=[tl.maximum(hi, 1), 2 * F], strides=[stride_pm, 1],
                                            block_shape=[BLOCK_K, BLOCK_M])
+    if X_TMA:       # the same bounds: rows past this expert's last pair read as zeros
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[tl.maximum(hi, 1), D], strides=[stride_xr, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
     for k0 in range(lo, hi, BLOCK_K):
         pairs = k0 + offs_k
         mask_k = pairs < hi
         pairs64 = pairs.to(tl.int64)
         mask_kf = mask_k[:, None] & mask_f[None, :]
-        g_ptrs = pre_ptr + pairs64[:, None] * stride_pm + offs_f[None, :] * stride_pf
-        if TMA:
-            dg = g_desc.load([k0, pid_f * BLOCK_M])
-            du = g_desc.load([k0, F + pid_f * BLOCK_M])
-        elif GRADS_READY:     # pre_ptr holds [dg | du]
-            dg = tl.load(g_ptrs, mask=mask_kf, other=0.0)
-            du = tl.load(g_ptrs + F * stride_pf, mask=mask_kf, other=0.0)
+        if X_TMA:
+            xk = x_desc.load([k0, pid_d * BLOCK_N])
         else:
-            dg, du = _swiglu_grad_preact(
-                tl.load(dh_ptr + pairs64[:, None] * stride_dm + offs_f[None, :] * stride_df, mask=mask_kf,
-                        other=0.0),
-                tl.load(g_ptrs, mask=mask_kf, other=0.0),
-                tl.load(g_ptrs + F * stride_pf, mask=mask_kf, other=0.0),
-            )
-        rows = tl.load(row_ptr + pairs, mask=mask_k, other=0).to(tl.int64)
-        xk = tl.load(x_ptr + rows[:, None] * stride_xr + offs_d[None, :] * stride_xd,
-                     mask=mask_k[:, None] & mask_d[None, :], other=0.0)
-        acc_g = tl.dot(tl.trans(dg.to(xk.dtype)), xk, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(tl.trans(du.to(xk.dtype)), xk, acc_u, input_precision=PRECISION)
+            rows = tl.load(row_ptr + pairs, mask=mask_k, other=0).to(tl.int64)
+            xk = tl.load(x_ptr + rows[:, None] * stride_xr + offs_d[None, :] * stride_xd,
+                         mask=mask_k[:, None] & mask_d[None, :], other=0.0)
+        if ONE_ACC:
+            a = g_desc.load([k0, pid_f * BLOCK_M])
+            acc_g = tl.dot(tl.trans(a.to(xk.dtype)), xk, acc_g, input_precision=PRECISION)
+        else:
+            if TMA:
+                dg = g_desc.load([k0, pid_f * BLOCK_M])
+                du = g_desc.load([k0, F + pid_f * BLOCK_M])
+            elif GRADS_READY:     # pre_ptr holds [dg | du]
+                g_ptrs = pre_ptr + pairs64[:, None] * stride_pm + offs_f[None, :] * stride_pf
+                dg = tl.load(g_ptrs, mask=mask_kf, other=0.0)
+                du = tl.load(g_ptrs + F * stride_pf, mask=mask_kf, other=0.0)
+            else:
+                g_ptrs = pre_ptr + pairs64[:, None] * stride_pm + offs_f[None, :] * stride_pf
+                dg, du = _swiglu_grad_preact(
+                    tl.load(dh_ptr + pairs64[:, None] * stride_dm + offs_f[None, :] * stride_df, mask=mask_kf,
+                            other=0.0),
+                    tl.load(g_ptrs, mask=mask_kf, other=0.0),
+                    tl.load(g_ptrs + F * stride_pf, mask=mask_kf, other=0.0),
+                )
+            acc_g = tl.dot(tl.trans(dg.to(xk.dtype)), xk, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(tl.trans(du.to(xk.dtype)), xk, acc_u, input_precision=PRECISION)
     out_ptrs = dw_ptr + expert.to(tl.int64) * stride_we + offs_f[:, None] * stride_wf + offs_d[None, :] * stride_wd
     mask_fd = mask_f[:, None] & mask_d[None, :]
     tl.store(out_ptrs, acc_g.to(dw_ptr.dtype.element_ty), mask=mask_fd)
-    tl.store(out_ptrs + F * stride_wf, acc_u.to(dw_ptr.dtype.element_ty), mask=mask_fd)
+    if not ONE_ACC:
+        tl.store(out_ptrs + F * stride_wf, acc_u.to(dw_ptr.dtype.element_ty), mask=mask_fd)
 
 
 _swiglu_fwd_tuned = triton.autotune(configs=list(SWIGLU_FWD_CONFIGS), key=["D", "F", "TMA"])(_swiglu_fwd_kernel)
@@ -887,19 +905,40 @@ def grouped_swiglu_backward(
             dw_E2FD = torch.zeros_like(w_gate_up_E2FD, memory_format=torch.contiguous_format)
         else:
             dw_E2FD = torch.empty(num_experts, two_f, hidden, dtype=w_gate_up_E2FD.dtype, device=x_RD.device)
+            tma = ready and use_tma(preact_M2F)
+            x_operand = _swiglu_dw_x_operand(x_RD, pair_row_M, num_pairs, measured_shape, tma)
             args = (
-                dh_MF, preact_M2F, x_RD, pair_row_M, expert_offsets, dw_E2FD,
+                dh_MF, preact_M2F, x_operand, pair_row_M, expert_offsets, dw_E2FD,
                 hidden, ffn,
-                *dh_MF.stride(), *preact_M2F.stride(), *x_RD.stride(), *dw_E2FD.stride(),
+                *dh_MF.stride(), *preact_M2F.stride(), *x_operand.stride(), *dw_E2FD.stride(),
             )
 
             def grid_dw(meta):
-                return (num_experts * triton.cdiv(ffn, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
+                out_rows = two_f if meta.get("ONE_ACC") else ffn
+                return (num_experts * triton.cdiv(out_rows, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
 
             launch_gemm(_swiglu_bwd_dw_tuned, _swiglu_bwd_dw_kernel, grid_dw, args,
-                        dict(PRECISION=precision, GRADS_READY=ready, TMA=ready and use_tma(preact_M2F)), x_RD.dtype,
-                        num_pairs, measured_shape)
+                        dict(PRECISION=precision, GRADS_READY=ready, TMA=tma), x_RD.dtype, num_pairs, measured_shape)
     return dx_RD, dw_E2FD
+
+
+def _swiglu_dw_x_operand(x_RD: torch.Tensor, pair_row_M: torch.Tensor, num_pairs: int,
+                         shape: tuple[int, int] | None, tma: bool) -> torch.Tensor:
+    """The x operand of the SwiGLU dW GEMM: x_RD itself (rows gathered in the K loop), or, for a
+    config with X_TMA, x gathered once in pair order ([M, D], one extra write and read of M·D
+    elements) so that the K loop loads it through a descriptor. Options without TMA are refused."""
+    meta = fixed_gemm_meta(x_RD.dtype, num_pairs, kernel_name(_swiglu_bwd_dw_kernel), shape, x_RD.device, tma)
+    if meta is None or not (meta.get("X_TMA") or meta.get("ONE_ACC")):
+        return x_RD
+    if not tma:
+        raise ValueError(f"grouped_swiglu backward: dW config {dict(meta)} needs descriptor ([dg | du] materialised, "
+                         "16-bit, TMA-capable) operands")
+    if not meta.get("X_TMA"):
+        return x_RD
+    x_MD = x_RD.index_select(0, pair_row_M)
+    if not tma_matrix_ok(x_MD):
+        raise ValueError(f"grouped_swiglu backward: X_TMA needs 16-byte aligned rows of x, got D={x_RD.shape[1]}")
+    return x_MD
 
 
 # ----------------------------------------------------------------------------------------------

@@ -432,6 +432,9 @@ def _compile_every_launch_for_sm90() -> int:
                       for key, tuned in modules[0].TUNED_GEMM_META.items() if key[0] == fn.__name__]
             if "PERSISTENT" in fn.arg_names:      # the persistent tile loop of the first config
                 metas.append(({**metas[0][0], "PERSISTENT": True}, *metas[0][1:]))
+            if "ONE_ACC" in fn.arg_names and kwargs.get("TMA"):      # the dW GEMM's descriptor options
+                metas += [({**metas[0][0], **options}, *metas[0][1:])
+                          for options in ({"X_TMA": 1}, {"ONE_ACC": 1}, {"X_TMA": 1, "ONE_ACC": 1})]
         else:
             fn = launchable
             meta = dict(kwargs)
@@ -493,3 +496,46 @@ def test_backward_ignores_padded_pairs_past_the_last_expert(tma, bwd_mode):
     _, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, dh)
     torch.testing.assert_close(dw, dw_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(dx, dx_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("options", [{"X_TMA": 1}, {"ONE_ACC": 1}, {"X_TMA": 1, "ONE_ACC": 1}],
+                         ids=["x_tma", "one_acc", "x_tma+one_acc"])
+@pytest.mark.parametrize("case", ["npow2", "empty_experts", "hot_expert", "all_experts", "one_row"])
+def test_swiglu_dw_options_match_reference(case, options):
+    """The SwiGLU dW GEMM's descriptor options (x gathered once in pair order; [dg | du] as one
+    operand with one accumulator) give the reference dW, also with unwritten (NaN) rows of a padded
+    plan past the last expert. bf16 on a GPU (the TMA path), fp32 in the interpreter."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    on_gpu = DEVICE == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    x, pair_row, offsets, w = make_case(case, dtype, seed=5)
+    n, ffn, pad = pair_row.numel(), w.shape[1] // 2, 3
+    _, preact = module.grouped_swiglu_forward(x, pair_row, offsets, w, True)
+    nan_rows = torch.full((pad, 2 * ffn), float("nan"), device=x.device, dtype=dtype)
+    dh = torch.randn(n, ffn, generator=torch.Generator().manual_seed(7)).to(x.device, dtype)
+    row_pad = torch.cat([pair_row, torch.zeros(pad, dtype=pair_row.dtype, device=pair_row.device)])
+    blocks = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3} if on_gpu else \
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+    with module.forced_gemm_meta("_swiglu_bwd_dw_kernel", {**blocks, **options}):
+        _, dw = module.grouped_swiglu_backward(torch.cat([dh, nan_rows[:, :ffn]]), x, row_pad, offsets, w,
+                                               torch.cat([preact, nan_rows]), False, True, None,
+                                               bwd_mode="materialized")
+    _, _, dw_ref = reference_grads(x, pair_row, offsets, w, dh)
+    if on_gpu:
+        err = ((dw.float() - dw_ref).norm() / dw_ref.norm().clamp_min(1e-12)).item()
+        assert err <= 1e-2, err
+    else:
+        torch.testing.assert_close(dw, dw_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_swiglu_dw_options_without_descriptors_are_refused():
+    """X_TMA / ONE_ACC need descriptor operands: with them switched off the launcher says so."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    x, pair_row, offsets, w = make_case("npow2", torch.float32)
+    _, preact = module.grouped_swiglu_forward(x, pair_row, offsets, w, True)
+    dh = torch.randn(pair_row.numel(), w.shape[1] // 2).to(x.device)
+    with module.tma_disabled(), module.forced_gemm_meta(
+            "_swiglu_bwd_dw_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "ONE_ACC": 1}):
+        with pytest.raises(ValueError, match="needs descriptor"):
+            module.grouped_swiglu_backward(dh, x, pair_row, offsets, w, preact, False, True, None,
+                                           bwd_mode="materialized")
