@@ -103,6 +103,10 @@ GROUP_M = 8
 # DeepSeek's 98k pairs a rank, A B A B after the autotuner's pick, results/nvidia-h200/tune_v5) the
 # same two pins won: the persistent down GEMM 0.98/1.06 ms against the autotuner's 1.16, the SwiGLU
 # dW 2.53/2.76 against 2.88; the forward SwiGLU, dx, down dh and dW autotune (within 2% of the pins).
+# The SwiGLU dW with x gathered once and loaded through a descriptor (X_TMA), A B C A B C in one
+# process (results/nvidia-h200/tune_v6): F = 1024 2.75/2.71 ms (64x128x32 pin) -> 2.31/2.32 (same
+# tiles, X_TMA) -> 2.13/2.23 (128x256x64 w8 s3, X_TMA and one accumulator over [dg | du]); F = 1408
+# 2.81/2.96 -> 2.39/2.37 (X_TMA; one accumulator 2.25/2.57, less stable, not pinned).
 TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = MappingProxyType({
     ("_swiglu_fwd_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
@@ -113,7 +117,7 @@ TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = M
     ("_down_bwd_dw_kernel", 9, 2048, 1024, True): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
     ("_swiglu_bwd_dw_kernel", 9, 2048, 1024, True): MappingProxyType(
-        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}),
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "X_TMA": 1, "ONE_ACC": 1}),
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, True): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, False): MappingProxyType(
@@ -124,7 +128,7 @@ TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = M
     ("_down_fwd_kernel", 9, 2048, 1408, True): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "PERSISTENT": 1}),
     ("_swiglu_bwd_dw_kernel", 9, 2048, 1408, True): MappingProxyType(
-        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5}),
+        {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5, "X_TMA": 1}),
 })
 
 
