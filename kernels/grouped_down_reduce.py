@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import check_row_table, gather_sum_rows, row_csr, segment_sum_rows
+from .combine import check_row_table, gather_sum_rows, interpreting, row_csr, segment_sum_rows
 from .grouped_swiglu import (
     GROUP_M,
     partial_dtype,
@@ -47,6 +47,7 @@ from .grouped_swiglu import (
     dot_precision,
     expert_tile,
     fixed_gemm_meta,
+    gathered_operand_wanted,
     gemm_programs,
     kernel_name,
     launch_gemm,
@@ -55,6 +56,7 @@ from .grouped_swiglu import (
     store_pair_rows,
     swizzle_tiles,
     tile_at,
+    tma_matrix_ok,
     use_tma,
 )
 
@@ -209,8 +211,11 @@ def _down_bwd_dw_kernel(
     stride_yr, stride_yd, stride_gm, stride_hm, stride_hf, stride_we, stride_wd, stride_wf,
     PRECISION: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X_TMA: tl.constexpr = 0,
 ):
     # Output tile [BLOCK_M of D, BLOCK_N of F] of expert e; the reduction runs over e's pairs.
+    # X_TMA (with TMA): dy_ptr holds gate · dy[row] already gathered in pair order ([M, D], rounded
+    # to h's dtype as the K loop would), loaded through a descriptor instead of gathered and scaled.
     pid = tl.program_id(0)
     tiles_d = tl.cdiv(D, BLOCK_M)
     tiles_f = tl.cdiv(F, BLOCK_N)
@@ -230,23 +235,57 @@ def _down_bwd_dw_kernel(
         # zeros past it (never the next expert's rows or a padded plan's unwritten ones).
         h_desc = tl.make_tensor_descriptor(h_ptr, shape=[tl.maximum(hi, 1), F], strides=[stride_hm, 1],
                                            block_shape=[BLOCK_K, BLOCK_N])
+    if X_TMA:       # the same bounds as h's
+        y_desc = tl.make_tensor_descriptor(dy_ptr, shape=[tl.maximum(hi, 1), D], strides=[stride_yr, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])
     for k0 in range(lo, hi, BLOCK_K):
         pairs = k0 + offs_k
         mask_k = pairs < hi
         pairs64 = pairs.to(tl.int64)
-        rows = tl.load(row_ptr + pairs, mask=mask_k, other=0).to(tl.int64)
-        gate = tl.load(gate_ptr + pairs64 * stride_gm, mask=mask_k, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + rows[:, None] * stride_yr + offs_d[None, :] * stride_yd,
-                     mask=mask_k[:, None] & mask_d[None, :], other=0.0)
         if TMA:
             h = h_desc.load([k0, pid_f * BLOCK_N])
         else:
             h = tl.load(h_ptr + pairs64[:, None] * stride_hm + offs_f[None, :] * stride_hf,
                         mask=mask_k[:, None] & mask_f[None, :], other=0.0)
-        scaled = (dy.to(tl.float32) * gate[:, None]).to(h.dtype)
+        if X_TMA:
+            scaled = y_desc.load([k0, pid_d * BLOCK_M])
+        else:
+            rows = tl.load(row_ptr + pairs, mask=mask_k, other=0).to(tl.int64)
+            gate = tl.load(gate_ptr + pairs64 * stride_gm, mask=mask_k, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows[:, None] * stride_yr + offs_d[None, :] * stride_yd,
+                         mask=mask_k[:, None] & mask_d[None, :], other=0.0)
+            scaled = (dy.to(tl.float32) * gate[:, None]).to(h.dtype)
         acc = tl.dot(tl.trans(scaled), h, acc, input_precision=PRECISION)
     tl.store(dw_ptr + expert.to(tl.int64) * stride_we + offs_d[:, None] * stride_wd + offs_f[None, :] * stride_wf,
              acc.to(dw_ptr.dtype.element_ty), mask=mask_d[:, None] & mask_f[None, :])
+
+
+@triton.jit
+def _gather_scale_rows_kernel(x_ptr, row_ptr, gate_ptr, out_ptr, M, D, stride_xr, stride_xd, stride_gm,
+                              stride_om, stride_od, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    # out[m] = gate[m] · x[row[m]] in fp32, rounded to out's dtype: the down dW's operand in pair order.
+    offs_m = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_d < D)[None, :]
+    rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    gate = tl.load(gate_ptr + offs_m.to(tl.int64) * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * stride_xr + offs_d[None, :] * stride_xd, mask=mask, other=0.0)
+    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od,
+             (x.to(tl.float32) * gate[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def gather_scale_rows(x_RD: torch.Tensor, pair_row_M: torch.Tensor, pair_gate_M: torch.Tensor,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """[M, D] in `dtype`: row m is pair_gate_M[m] · x_RD[pair_row_M[m]], multiplied in fp32."""
+    num_pairs, hidden = pair_row_M.numel(), x_RD.shape[1]
+    out = torch.empty(num_pairs, hidden, dtype=dtype, device=x_RD.device)
+    if num_pairs and hidden:
+        block_t, block_d = (16, 16) if interpreting() else (32, 256)
+        grid = (triton.cdiv(num_pairs, block_t), triton.cdiv(hidden, block_d))
+        _gather_scale_rows_kernel[grid](x_RD, pair_row_M, pair_gate_M, out, num_pairs, hidden, *x_RD.stride(),
+                                        pair_gate_M.stride(0), *out.stride(), BLOCK_T=block_t, BLOCK_D=block_d)
+    return out
 
 
 _down_fwd_tuned = triton.autotune(configs=list(SINGLE_ACC_CONFIGS), key=["D", "F", "TMA"])(_down_fwd_kernel)
@@ -382,17 +421,23 @@ def grouped_down_reduce_backward(
             dw_EDF = torch.zeros_like(w_down_EDF, memory_format=torch.contiguous_format)
         else:
             dw_EDF = torch.empty(num_experts, hidden, ffn, dtype=w_down_EDF.dtype, device=h_MF.device)
+            tma = use_tma(h_MF)
+            dy_operand = dy_RD
+            if gathered_operand_wanted(_down_bwd_dw_kernel, h_MF.dtype, num_pairs, (hidden, ffn), h_MF.device, tma):
+                dy_operand = gather_scale_rows(dy_RD, pair_row_M, pair_gate_M, h_MF.dtype)
+                if not tma_matrix_ok(dy_operand):
+                    raise ValueError(f"grouped_down_reduce backward: X_TMA needs 16-byte aligned rows, D={hidden}")
             args = (
-                dy_RD, pair_row_M, pair_gate_M, h_MF, expert_offsets, dw_EDF,
+                dy_operand, pair_row_M, pair_gate_M, h_MF, expert_offsets, dw_EDF,
                 hidden, ffn,
-                *dy_RD.stride(), *pair_gate_M.stride(), *h_MF.stride(), *dw_EDF.stride(),
+                *dy_operand.stride(), *pair_gate_M.stride(), *h_MF.stride(), *dw_EDF.stride(),
             )
 
             def grid_dw(meta):
                 return (num_experts * triton.cdiv(hidden, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"]),)
 
             launch_gemm(_down_bwd_dw_tuned, _down_bwd_dw_kernel, grid_dw, args,
-                        dict(PRECISION=precision, TMA=use_tma(h_MF)), h_MF.dtype, num_pairs, (hidden, ffn))
+                        dict(PRECISION=precision, TMA=tma), h_MF.dtype, num_pairs, (hidden, ffn))
     return dh_MF, dgate_M, dw_EDF
 
 

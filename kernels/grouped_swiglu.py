@@ -926,18 +926,26 @@ def grouped_swiglu_backward(
     return dx_RD, dw_E2FD
 
 
+def gathered_operand_wanted(kernel, dtype: torch.dtype, num_pairs: int, shape: tuple[int, int] | None,
+                            device: torch.device, tma: bool) -> bool:
+    """Whether the config `kernel` launches with asks for its gathered operand in pair order
+    (`X_TMA`: gathered once before the launch, then loaded through a descriptor). `X_TMA` and
+    `ONE_ACC` need descriptor operands (`tma`); a config asking for them without is refused."""
+    meta = fixed_gemm_meta(dtype, num_pairs, kernel_name(kernel), shape, device, tma)
+    if meta is None or not (meta.get("X_TMA") or meta.get("ONE_ACC")):
+        return False
+    if not tma:
+        raise ValueError(f"{kernel_name(kernel)}: config {dict(meta)} needs descriptor operands (16-bit, "
+                         "TMA-capable, and for the SwiGLU dW a materialised [dg | du])")
+    return bool(meta.get("X_TMA"))
+
+
 def _swiglu_dw_x_operand(x_RD: torch.Tensor, pair_row_M: torch.Tensor, num_pairs: int,
                          shape: tuple[int, int] | None, tma: bool) -> torch.Tensor:
     """The x operand of the SwiGLU dW GEMM: x_RD itself (rows gathered in the K loop), or, for a
     config with X_TMA, x gathered once in pair order ([M, D], one extra write and read of M·D
-    elements) so that the K loop loads it through a descriptor. Options without TMA are refused."""
-    meta = fixed_gemm_meta(x_RD.dtype, num_pairs, kernel_name(_swiglu_bwd_dw_kernel), shape, x_RD.device, tma)
-    if meta is None or not (meta.get("X_TMA") or meta.get("ONE_ACC")):
-        return x_RD
-    if not tma:
-        raise ValueError(f"grouped_swiglu backward: dW config {dict(meta)} needs descriptor ([dg | du] materialised, "
-                         "16-bit, TMA-capable) operands")
-    if not meta.get("X_TMA"):
+    elements) so that the K loop loads it through a descriptor."""
+    if not gathered_operand_wanted(_swiglu_bwd_dw_kernel, x_RD.dtype, num_pairs, shape, x_RD.device, tma):
         return x_RD
     x_MD = x_RD.index_select(0, pair_row_M)
     if not tma_matrix_ok(x_MD):

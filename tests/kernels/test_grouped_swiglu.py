@@ -405,6 +405,10 @@ def _compile_every_launch_for_sm90() -> int:
         out = combine(y, brim)
         torch.autograd.grad(out, (x, w1, w2, gate), torch.randn_like(out))
     modules[0].use_tma = modules[1].use_tma = with_tma
+    for dtype in (torch.bfloat16, torch.float32):      # the down dW's X_TMA operand (gathered, scaled rows)
+        grouped_down_reduce_module = modules[1]
+        grouped_down_reduce_module.gather_scale_rows(torch.randn(50, 64, dtype=dtype), torch.randint(0, 50, (90,)),
+                                                     torch.rand(90), dtype)
 
     # the fused dedup plan + pack (kernel launches recorded, not run: the counts are placeholders)
     plan_module = modules[3]
@@ -429,12 +433,14 @@ def _compile_every_launch_for_sm90() -> int:
             metas = [({**kwargs, **cfg.kwargs}, cfg.num_warps, cfg.num_stages) for cfg in configs]
             metas += [({**kwargs, **{k: v for k, v in tuned.items() if k not in ("num_warps", "num_stages")}},
                        tuned["num_warps"], tuned["num_stages"])            # the measured, pinned ones
-                      for key, tuned in modules[0].TUNED_GEMM_META.items() if key[0] == fn.__name__]
+                      for key, tuned in modules[0].TUNED_GEMM_META.items()
+                      if key[0] == fn.__name__ and key[4] == bool(kwargs.get("TMA", False))]   # pinned per path
             if "PERSISTENT" in fn.arg_names:      # the persistent tile loop of the first config
                 metas.append(({**metas[0][0], "PERSISTENT": True}, *metas[0][1:]))
-            if "ONE_ACC" in fn.arg_names and kwargs.get("TMA"):      # the dW GEMM's descriptor options
-                metas += [({**metas[0][0], **options}, *metas[0][1:])
-                          for options in ({"X_TMA": 1}, {"ONE_ACC": 1}, {"X_TMA": 1, "ONE_ACC": 1})]
+            if "X_TMA" in fn.arg_names and kwargs.get("TMA"):        # the dW GEMMs' descriptor options
+                options = [{"X_TMA": 1}] + ([{"ONE_ACC": 1}, {"X_TMA": 1, "ONE_ACC": 1}]
+                                            if "ONE_ACC" in fn.arg_names else [])
+                metas += [({**metas[0][0], **option}, *metas[0][1:]) for option in options]
         else:
             fn = launchable
             meta = dict(kwargs)
@@ -536,6 +542,6 @@ def test_swiglu_dw_options_without_descriptors_are_refused():
     dh = torch.randn(pair_row.numel(), w.shape[1] // 2).to(x.device)
     with module.tma_disabled(), module.forced_gemm_meta(
             "_swiglu_bwd_dw_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "ONE_ACC": 1}):
-        with pytest.raises(ValueError, match="needs descriptor"):
+        with pytest.raises(ValueError, match="needs descriptor operands"):
             module.grouped_swiglu_backward(dh, x, pair_row, offsets, w, preact, False, True, None,
                                            bwd_mode="materialized")
