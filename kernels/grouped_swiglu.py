@@ -106,7 +106,10 @@ GROUP_M = 8
 # The SwiGLU dW with x gathered once and loaded through a descriptor (X_TMA), A B C A B C in one
 # process (results/nvidia-h200/tune_v6): F = 1024 2.75/2.71 ms (64x128x32 pin) -> 2.31/2.32 (same
 # tiles, X_TMA) -> 2.13/2.23 (128x256x64 w8 s3, X_TMA and one accumulator over [dg | du]); F = 1408
-# 2.81/2.96 -> 2.39/2.37 (X_TMA; one accumulator 2.25/2.57, less stable, not pinned).
+# 2.81/2.96 -> 2.39/2.37 (X_TMA; one accumulator 2.25/2.57, less stable, not pinned). The down dW
+# with gate · dy gathered once (X_TMA), F = 1024 (results/nvidia-h200/tune_v7): 1.65/1.73 ms (the
+# 128x128x64 pin) -> 1.08/1.12 (same tiles) -> 0.99/1.04 (128x256x64 w8 s3, pinned); F = 1408 not
+# measured yet, so it autotunes without the option.
 TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = MappingProxyType({
     ("_swiglu_fwd_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
@@ -115,7 +118,7 @@ TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = M
     ("_down_fwd_kernel", 9, 2048, 1024, True): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "PERSISTENT": 1}),
     ("_down_bwd_dw_kernel", 9, 2048, 1024, True): MappingProxyType(
-        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}),
+        {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "X_TMA": 1}),
     ("_swiglu_bwd_dw_kernel", 9, 2048, 1024, True): MappingProxyType(
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "X_TMA": 1, "ONE_ACC": 1}),
     ("_swiglu_bwd_dx_kernel", 9, 2048, 1024, True): MappingProxyType(
