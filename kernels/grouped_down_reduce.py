@@ -261,14 +261,16 @@ def _down_bwd_dw_kernel(
 
 
 @triton.jit
-def _gather_scale_rows_kernel(x_ptr, row_ptr, gate_ptr, out_ptr, M, D, stride_xr, stride_xd, stride_gm,
+def _gather_scale_rows_kernel(x_ptr, row_ptr, gate_ptr, out_ptr, M, R, D, stride_xr, stride_xd, stride_gm,
                               stride_om, stride_od, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     # out[m] = gate[m] · x[row[m]] in fp32, rounded to out's dtype: the down dW's operand in pair order.
+    # Rows are clamped to [0, R): a padded plan's pairs past the last expert may hold any row (their
+    # output rows are never read back), and must not make the gather read out of bounds.
     offs_m = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_m = offs_m < M
     mask = mask_m[:, None] & (offs_d < D)[None, :]
-    rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    rows = tl.minimum(tl.maximum(tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64), 0), R - 1)
     gate = tl.load(gate_ptr + offs_m.to(tl.int64) * stride_gm, mask=mask_m, other=0.0).to(tl.float32)
     x = tl.load(x_ptr + rows[:, None] * stride_xr + offs_d[None, :] * stride_xd, mask=mask, other=0.0)
     tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od,
@@ -280,10 +282,11 @@ def gather_scale_rows(x_RD: torch.Tensor, pair_row_M: torch.Tensor, pair_gate_M:
     """[M, D] in `dtype`: row m is pair_gate_M[m] · x_RD[pair_row_M[m]], multiplied in fp32."""
     num_pairs, hidden = pair_row_M.numel(), x_RD.shape[1]
     out = torch.empty(num_pairs, hidden, dtype=dtype, device=x_RD.device)
-    if num_pairs and hidden:
+    if num_pairs and hidden and x_RD.shape[0]:
         block_t, block_d = (16, 16) if interpreting() else (32, 256)
         grid = (triton.cdiv(num_pairs, block_t), triton.cdiv(hidden, block_d))
-        _gather_scale_rows_kernel[grid](x_RD, pair_row_M, pair_gate_M, out, num_pairs, hidden, *x_RD.stride(),
+        _gather_scale_rows_kernel[grid](x_RD, pair_row_M, pair_gate_M, out, num_pairs, x_RD.shape[0], hidden,
+                                        *x_RD.stride(),
                                         pair_gate_M.stride(0), *out.stride(), BLOCK_T=block_t, BLOCK_D=block_d)
     return out
 

@@ -950,7 +950,9 @@ def _swiglu_dw_x_operand(x_RD: torch.Tensor, pair_row_M: torch.Tensor, num_pairs
     elements) so that the K loop loads it through a descriptor."""
     if not gathered_operand_wanted(_swiglu_bwd_dw_kernel, x_RD.dtype, num_pairs, shape, x_RD.device, tma):
         return x_RD
-    x_MD = x_RD.index_select(0, pair_row_M)
+    # rows of a padded plan's pairs past the last expert are never read back; clamped, they are
+    # always valid indices whatever the plan left there
+    x_MD = x_RD.index_select(0, pair_row_M.clamp(0, max(x_RD.shape[0] - 1, 0)))
     if not tma_matrix_ok(x_MD):
         raise ValueError(f"grouped_swiglu backward: X_TMA needs 16-byte aligned rows of x, got D={x_RD.shape[1]}")
     return x_MD

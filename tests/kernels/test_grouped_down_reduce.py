@@ -336,7 +336,8 @@ def test_dw_with_gathered_rows_matches_reference(case):
     h, pair_row, gate, offsets, w, rows = make_case(case, dtype, seed=4)
     pad = 3
     h_pad = torch.cat([h, torch.full((pad, h.shape[1]), float("nan"), device=h.device, dtype=dtype)])
-    row_pad = torch.cat([pair_row, torch.zeros(pad, dtype=pair_row.dtype, device=pair_row.device)])
+    # a padded plan's rows past the last expert may hold anything, out-of-range values included
+    row_pad = torch.cat([pair_row, torch.tensor([-1, 10**6, 0], dtype=pair_row.dtype, device=pair_row.device)])
     gate_pad = torch.cat([gate, torch.full((pad,), float("nan"), device=gate.device, dtype=gate.dtype)])
     dy = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(6)).to(h.device, dtype)
     blocks = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3} if on_gpu else \
@@ -360,6 +361,10 @@ def test_gather_scale_rows_matches_torch():
     got = down_module.gather_scale_rows(x[:, ::2], rows, gate, torch.float32)      # strided x
     torch.testing.assert_close(got, x[:, ::2][rows] * gate[:, None])
     assert down_module.gather_scale_rows(x, rows[:0], gate[:0], torch.float32).shape == (0, 40)
+    # out-of-range rows (what a padded plan may leave past its last expert) are clamped, not read
+    wild = torch.tensor([-5, 2, 99]).to(DEVICE)
+    torch.testing.assert_close(down_module.gather_scale_rows(x, wild, gate[:3], torch.float32),
+                               x[[0, 2, 6]] * gate[:3, None])
 
 
 def test_dw_options_without_descriptors_are_refused():
