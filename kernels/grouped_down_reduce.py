@@ -56,7 +56,6 @@ from .grouped_swiglu import (
     store_pair_rows,
     swizzle_tiles,
     tile_at,
-    tma_matrix_ok,
     use_tma,
 )
 
@@ -426,10 +425,9 @@ def grouped_down_reduce_backward(
             dw_EDF = torch.empty(num_experts, hidden, ffn, dtype=w_down_EDF.dtype, device=h_MF.device)
             tma = use_tma(h_MF)
             dy_operand = dy_RD
-            if gathered_operand_wanted(_down_bwd_dw_kernel, h_MF.dtype, num_pairs, (hidden, ffn), h_MF.device, tma):
+            if gathered_operand_wanted(_down_bwd_dw_kernel, h_MF.dtype, num_pairs, (hidden, ffn), h_MF.device, tma,
+                                       hidden * h_MF.element_size()):
                 dy_operand = gather_scale_rows(dy_RD, pair_row_M, pair_gate_M, h_MF.dtype)
-                if not tma_matrix_ok(dy_operand):
-                    raise ValueError(f"grouped_down_reduce backward: X_TMA needs 16-byte aligned rows, D={hidden}")
             args = (
                 dy_operand, pair_row_M, pair_gate_M, h_MF, expert_offsets, dw_EDF,
                 hidden, ffn,

@@ -930,16 +930,19 @@ def grouped_swiglu_backward(
 
 
 def gathered_operand_wanted(kernel, dtype: torch.dtype, num_pairs: int, shape: tuple[int, int] | None,
-                            device: torch.device, tma: bool) -> bool:
+                            device: torch.device, tma: bool, row_bytes: int) -> bool:
     """Whether the config `kernel` launches with asks for its gathered operand in pair order
-    (`X_TMA`: gathered once before the launch, then loaded through a descriptor). `X_TMA` and
-    `ONE_ACC` need descriptor operands (`tma`); a config asking for them without is refused."""
+    (`X_TMA`: gathered once before the launch into rows of `row_bytes`, then loaded through a
+    descriptor). `X_TMA` and `ONE_ACC` need descriptor operands (`tma`), and `X_TMA` rows a
+    descriptor can address (16-byte multiples); a config asking for them without is refused."""
     meta = fixed_gemm_meta(dtype, num_pairs, kernel_name(kernel), shape, device, tma)
     if meta is None or not (meta.get("X_TMA") or meta.get("ONE_ACC")):
         return False
     if not tma:
         raise ValueError(f"{kernel_name(kernel)}: config {dict(meta)} needs descriptor operands (16-bit, "
                          "TMA-capable, and for the SwiGLU dW a materialised [dg | du])")
+    if meta.get("X_TMA") and row_bytes % 16:
+        raise ValueError(f"{kernel_name(kernel)}: X_TMA needs rows of a multiple of 16 bytes, got {row_bytes}")
     return bool(meta.get("X_TMA"))
 
 
@@ -948,14 +951,12 @@ def _swiglu_dw_x_operand(x_RD: torch.Tensor, pair_row_M: torch.Tensor, num_pairs
     """The x operand of the SwiGLU dW GEMM: x_RD itself (rows gathered in the K loop), or, for a
     config with X_TMA, x gathered once in pair order ([M, D], one extra write and read of M·D
     elements) so that the K loop loads it through a descriptor."""
-    if not gathered_operand_wanted(_swiglu_bwd_dw_kernel, x_RD.dtype, num_pairs, shape, x_RD.device, tma):
+    if not gathered_operand_wanted(_swiglu_bwd_dw_kernel, x_RD.dtype, num_pairs, shape, x_RD.device, tma,
+                                   x_RD.shape[1] * x_RD.element_size()):
         return x_RD
     # rows of a padded plan's pairs past the last expert are never read back; clamped, they are
     # always valid indices whatever the plan left there
-    x_MD = x_RD.index_select(0, pair_row_M.clamp(0, max(x_RD.shape[0] - 1, 0)))
-    if not tma_matrix_ok(x_MD):
-        raise ValueError(f"grouped_swiglu backward: X_TMA needs 16-byte aligned rows of x, got D={x_RD.shape[1]}")
-    return x_MD
+    return x_RD.index_select(0, pair_row_M.clamp(0, max(x_RD.shape[0] - 1, 0)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -545,3 +545,23 @@ def test_swiglu_dw_options_without_descriptors_are_refused():
         with pytest.raises(ValueError, match="needs descriptor operands"):
             module.grouped_swiglu_backward(dh, x, pair_row, offsets, w, preact, False, True, None,
                                            bwd_mode="materialized")
+
+
+def test_swiglu_dw_gathered_rows_must_be_descriptor_addressable():
+    """X_TMA gathers x into [M, D] rows a descriptor loads: 24-byte rows (D = 6 in fp32 in the
+    interpreter, D = 12 in bf16 on a GPU, where only 16-bit inputs take descriptors) are refused
+    before anything is gathered."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    hidden = 24 // torch.tensor([], dtype=dtype).element_size()
+    gen = torch.Generator().manual_seed(2)
+    pair_row, offsets = pairs_from_rows([[0], [1, 0], [1]], 2)
+    x = torch.randn(3, hidden, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(2, 16, hidden, generator=gen).to(DEVICE, dtype)
+    pair_row, offsets = pair_row.to(DEVICE), offsets.to(DEVICE)
+    _, preact = module.grouped_swiglu_forward(x, pair_row, offsets, w, True)
+    dh = torch.randn(pair_row.numel(), 8, generator=gen).to(DEVICE, dtype)
+    with module.forced_gemm_meta("_swiglu_bwd_dw_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "X_TMA": 1}):
+        with pytest.raises(ValueError, match="multiple of 16 bytes, got 24"):
+            module.grouped_swiglu_backward(dh, x, pair_row, offsets, w, preact, False, True, None,
+                                           bwd_mode="materialized")
