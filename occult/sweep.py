@@ -134,6 +134,7 @@ class SweepSettings:
     command: str = ""
     routing: str = "synthetic"
     trace: str = ""
+    host_profile: str = ""
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -640,6 +641,37 @@ def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: tor
     return values[0].tolist()
 
 
+def profile_host(step: Callable[[int], None], steps: int, device: torch.device, world: int, rank: int,
+                 out_txt: Path, top: int = 40) -> None:
+    """Run `steps` more steps under cProfile (the GPU drained before each, as in `time_steps`) and
+    write rank 0's Python-side profile to `out_txt`: the `top` functions by own time, then by
+    cumulative time. cProfile slows Python code, so the shares are what it is for, not the times."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    for i in range(steps):
+        synchronize(device)
+        if world > 1:
+            dist.barrier()
+        profiler.enable()
+        step(i)
+        profiler.disable()
+    synchronize(device)
+    if rank != 0:
+        return
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    text.write(f"# {steps} steps, rank 0; host seconds per step = totals / {steps}\n")
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    out_txt.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_txt.with_suffix(".tmp")
+    tmp.write_text(text.getvalue())
+    tmp.replace(out_txt)
+
+
 def phase_medians(events: list[tuple[torch.cuda.Event, ...]], device: torch.device, world: int) -> dict[str, float]:
     """Median ms of dispatch (plan, counts, sync, pack, all-to-all, BRIM_1), expert kernels and
     return + combine over the timed steps, each the max over ranks of the rank's median."""
@@ -929,6 +961,9 @@ def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method
             torch.cuda.reset_peak_memory_stats(device)
         host_times: list[float] = []
         times = time_steps(step, settings.repeats, settings.warmup, device, world, host_times)
+        if settings.host_profile:
+            profile_host(step, settings.repeats, device, world, rank, Path(settings.host_profile)
+                         / f"host_{settings.kind}_{shape.name}_{name}_{size}.txt")
         out.update(median_ms=statistics.median(times), p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9),
                    host_ms=statistics.median(host_times))
         if isinstance(method, OccultEP) and method.phase_events:
@@ -994,6 +1029,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--routing", choices=ROUTINGS, default="synthetic",
                         help="synthetic low-rank router, uniform, or a measured trace (--trace)")
     parser.add_argument("--trace", default="", help="routing_*.npz of occult.profiling (routing=trace)")
+    parser.add_argument("--host-profile", default="", metavar="DIR",
+                        help="after each timed row, profile as many more steps with cProfile into "
+                             "DIR/host_<kind>_<shape>_<method>_<size>.txt (rank 0)")
     parser.add_argument("--log-json", metavar="PATH",
                         help="append JSON-lines logs here (default: $OCCULT_LOG_JSON); read by the entry point")
     return parser
@@ -1020,7 +1058,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.repeats, warmup=args.warmup, device=args.device, dtype=args.dtype, seed=args.seed,
         seq_len=args.seq_len, input_sets=args.input_sets, check_tokens=args.check_tokens,
         occult_backend=args.occult_backend, include_shared=not args.no_shared, command=command,
-        routing=args.routing, trace=args.trace,
+        routing=args.routing, trace=args.trace, host_profile=args.host_profile,
     )
     settings.validate()
     run_in_group(lambda: _sweep(settings), args.device, world, args.timeout_s, error=SweepError)

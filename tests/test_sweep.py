@@ -294,3 +294,14 @@ def test_balanced_combines_with_exact_routing_only():
         with pytest.raises(sweep.SweepError, match=why):
             sweep.SweepSettings(kind="prefill", shapes=("tiny",), methods=(name,), world=2, sizes=(8,),
                                 out_csv="x.csv").validate()
+
+
+def test_host_profile_writes_one_python_profile_per_row(tmp_path):
+    out, prof = tmp_path / "p.csv", tmp_path / "prof"
+    sweep.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--methods", "occult", "naive",
+                "--sizes", "8", "--repeats", "2", "--warmup", "0", "--out", str(out), "--host-profile", str(prof)])
+    files = sorted(p.name for p in prof.iterdir())
+    assert files == ["host_prefill_tiny_naive_8.txt", "host_prefill_tiny_occult_8.txt"]
+    text = (prof / "host_prefill_tiny_occult_8.txt").read_text()
+    assert text.startswith("# 2 steps, rank 0") and "ep_moe" in text and "tottime" in text
+    assert "ep_moe" not in (prof / "host_prefill_tiny_naive_8.txt").read_text()
