@@ -108,8 +108,9 @@ GROUP_M = 8
 # tiles, X_TMA) -> 2.13/2.23 (128x256x64 w8 s3, X_TMA and one accumulator over [dg | du]); F = 1408
 # 2.81/2.96 -> 2.39/2.37 (X_TMA; one accumulator 2.25/2.57, less stable, not pinned). The down dW
 # with gate · dy gathered once (X_TMA), F = 1024 (results/nvidia-h200/tune_v7): 1.65/1.73 ms (the
-# 128x128x64 pin) -> 1.08/1.12 (same tiles) -> 0.99/1.04 (128x256x64 w8 s3, pinned); F = 1408 not
-# measured yet, so it autotunes without the option.
+# 128x128x64 pin) -> 1.08/1.12 (same tiles) -> 0.99/1.04 (128x256x64 w8 s3, pinned); F = 1408
+# (results/nvidia-h200/tune_v8, A B C D twice): autotuned 1.66, pointers 128x128x64 w8 s4 1.69/1.67
+# -> X_TMA 1.10/1.13 (same tiles, pinned; 128x256x64 w8 s3 1.12/1.13, 64x128x32 w4 s5 1.53/1.54).
 TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = MappingProxyType({
     ("_swiglu_fwd_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
@@ -132,6 +133,8 @@ TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = M
         {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "PERSISTENT": 1}),
     ("_swiglu_bwd_dw_kernel", 9, 2048, 1408, True): MappingProxyType(
         {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 5, "X_TMA": 1}),
+    ("_down_bwd_dw_kernel", 9, 2048, 1408, True): MappingProxyType(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "X_TMA": 1}),
 })
 
 

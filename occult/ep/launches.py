@@ -1,17 +1,29 @@
-"""Count the launches of one eager `ep_moe` forward on CPU: aten ops (a torch dispatch mode;
-allocations and views left out) and Triton kernel launches (the interpreter's launcher).
+"""What one eager `ep_moe` forward costs the host.
 
-    TRITON_INTERPRET=1 python -m occult.ep.launches
+    TRITON_INTERPRET=1 python -m occult.ep.launches          # count launches (CPU)
+    python -m occult.ep.launches --host-us --tokens 1024     # host µs per part (GPU)
 
-One device (D = 1: the 3 all-to-alls of D > 1 come on top), OLMoE-like routing (64 experts,
-top-8), Triton backend with the fused dispatch plan and with `OCCULT_FUSED_PLAN=0`.
+Counting: aten ops (a torch dispatch mode; allocations and views left out) and Triton kernel
+launches (the interpreter's launcher), for one device (D = 1: the 3 all-to-alls of D > 1 come on
+top), OLMoE-like routing (64 experts, top-8), Triton backend with the fused dispatch plan and with
+`OCCULT_FUSED_PLAN=0`.
+
+Host time (`host_breakdown`): the OLMoE layer shape on one GPU, bf16, no process group; each call
+starts on a drained GPU, and wall-clock µs are summed per part of the forward by wrappers around
+the layer's steps (the Triton launcher `JITFunction.run` also separately, wherever it is called
+from). "rest" is the forward's time outside the wrapped parts (ep_moe's own Python and torch ops).
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import contextlib
 import dataclasses
 import os
+import statistics
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -68,8 +80,116 @@ def count_forward(fused: bool, tokens: int = 8, seed: int = 0) -> dict[str, int]
     return {"aten": sum(aten.ops.values()), "triton": triton_launches[0]}
 
 
+class _Clock:
+    """µs of wall-clock time per part, summed over the timed calls (nested parts count in each)."""
+
+    def __init__(self) -> None:
+        self.us: collections.Counter[str] = collections.Counter()
+        self.on = False
+
+    def wrap(self, part: str, fn: Callable) -> Callable:
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            begin = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.us[part] += 1e6 * (time.perf_counter() - begin)
+        return timed
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value) -> Iterator[None]:
+    original = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, original)
+
+
+# the wrapped parts of one forward, in call order
+HOST_PARTS = ("checks+tables", "plan_count", "plan_pack", "dispatch_rows", "group_pairs", "swiglu", "down_reduce",
+              "combine")
+
+
+def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int = 0,
+                   experts: int = 64, top_k: int = 8, hidden: int = 2048, ffn: int = 1024) -> dict[str, float]:
+    """Median host µs of one eager no-grad `ep_moe` forward (`total`), and the mean µs per call of
+    each part of `HOST_PARTS`, `triton_launch` (all Triton launches) and `rest`, on the GPU."""
+    import triton
+
+    from occult.ep import layer
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("host_breakdown: needs a GPU (the Triton backend's launches are what it times)")
+    device = torch.device("cuda")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, device=device, generator=gen).bfloat16()
+    ids = torch.rand(tokens, experts, device=device, generator=gen).topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, device=device, generator=gen)
+    w_gate_up = (torch.randn(experts, 2 * ffn, hidden, device=device, generator=gen) * hidden ** -0.5).bfloat16()
+    w_down = (torch.randn(experts, hidden, ffn, device=device, generator=gen) * ffn ** -0.5).bfloat16()
+    placement = torch.zeros(experts, dtype=torch.long)
+    clock = _Clock()
+    base = layer.get_backend("triton")
+    ops = dataclasses.replace(
+        base, dedup_count=clock.wrap("plan_count", base.dedup_count),
+        dedup_plan_pack=clock.wrap("plan_pack", base.dedup_plan_pack),
+        group_pairs=clock.wrap("group_pairs", base.group_pairs), grouped_swiglu=clock.wrap("swiglu", base.grouped_swiglu),
+        grouped_down_reduce=clock.wrap("down_reduce", base.grouped_down_reduce),
+        combine=clock.wrap("combine", base.combine))
+
+    class Dispatch:
+        apply = staticmethod(clock.wrap("dispatch_rows", layer._Dispatch.apply))
+
+    def tables_and_checks(part_fn):
+        return clock.wrap("checks+tables", part_fn)
+
+    totals: list[float] = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(layer, "_Dispatch", Dispatch))
+        stack.enter_context(_patched(layer, "_check_inputs", tables_and_checks(layer._check_inputs)))
+        stack.enter_context(_patched(layer, "placement_tables", tables_and_checks(layer.placement_tables)))
+        stack.enter_context(_patched(triton.runtime.jit.JITFunction, "run",
+                                     clock.wrap("triton_launch", triton.runtime.jit.JITFunction.run)))
+        with torch.no_grad():
+            for i in range(warmup + repeats):
+                torch.cuda.synchronize(device)
+                clock.on = i >= warmup
+                begin = time.perf_counter()
+                layer.ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend=ops)
+                if clock.on:
+                    totals.append(1e6 * (time.perf_counter() - begin))
+                clock.on = False
+        torch.cuda.synchronize(device)
+    out = {"total": statistics.median(totals), "total_mean": statistics.fmean(totals)}
+    out.update({part: clock.us[part] / repeats for part in (*HOST_PARTS, "triton_launch")})
+    out["rest"] = out["total_mean"] - sum(out[part] for part in HOST_PARTS)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m occult.ep.launches", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host-us", action="store_true", help="time the host per part on the GPU (else count)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 16384])
+    parser.add_argument("--repeats", type=int, default=100)
+    args = parser.parse_args(argv)
+    if not args.host_us:
+        for fused in (True, False):
+            counts = count_forward(fused)
+            print(f"{'fused plan' if fused else 'OCCULT_FUSED_PLAN=0':>20}: {counts['aten']} aten ops, "
+                  f"{counts['triton']} Triton launches")
+        return 0
+    rows = {tokens: host_breakdown(tokens, args.repeats) for tokens in args.tokens}
+    keys = ["total", "total_mean", *HOST_PARTS, "triton_launch", "rest"]
+    print("host µs per eager forward (OLMoE layer, D = 1, no process group; parts are means)")
+    print(f"{'part':>14} " + " ".join(f"{t:>9}" for t in rows))
+    for key in keys:
+        print(f"{key:>14} " + " ".join(f"{rows[t][key]:9.1f}" for t in rows))
+    return 0
+
+
 if __name__ == "__main__":
-    for fused in (True, False):
-        counts = count_forward(fused)
-        print(f"{'fused plan' if fused else 'OCCULT_FUSED_PLAN=0':>20}: {counts['aten']} aten ops, "
-              f"{counts['triton']} Triton launches")
+    raise SystemExit(main())

@@ -157,8 +157,8 @@ class AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, recv_splits: list[int], send_splits: list[int], group) -> torch.Tensor:
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return x                                           # a single device: nothing to exchange
+    if group_size_and_rank(group)[0] == 1:
+        return x                        # a single device (or a group of one): nothing to exchange
     out = x.new_empty((sum(recv_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
     return out

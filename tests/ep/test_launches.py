@@ -1,0 +1,47 @@
+"""The host-cost tools of `occult.ep.launches`, and a group of one skipping the all-to-alls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from occult.ep.dist import run_ranks
+from occult.ep.launches import HOST_PARTS, host_breakdown
+from occult.ep.layer import ep_moe
+from occult.kernels.reference import moe_dense_ref
+
+
+def test_a_group_of_one_exchanges_nothing():
+    def body(rank, world):
+        calls = []
+        real = dist.all_to_all_single
+        dist.all_to_all_single = lambda *a, **k: calls.append(1) or real(*a, **k)
+        try:
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(6, 8, generator=gen, requires_grad=True)
+            ids = torch.rand(6, 4, generator=gen).topk(2, dim=1).indices
+            weights = torch.rand(6, 2, generator=gen, requires_grad=True)
+            w_gu, w_dn = torch.randn(4, 10, 8, generator=gen), torch.randn(4, 8, 5, generator=gen)
+            y = ep_moe(x, ids, weights, torch.zeros(4, dtype=torch.long), w_gu, w_dn, group=dist.group.WORLD)
+            y.sum().backward()
+            ref = moe_dense_ref(x.detach(), ids, weights.detach(), w_gu, w_dn)
+            return len(calls), float((y - ref).abs().max()), x.grad is not None and weights.grad is not None
+        finally:
+            dist.all_to_all_single = real
+
+    calls, err, grads = run_ranks(body, 1, timeout_s=60)[0]
+    assert calls == 0 and err < 1e-5 and grads
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_host_breakdown_needs_a_gpu():
+    with pytest.raises(RuntimeError, match="host_breakdown: needs a GPU"):
+        host_breakdown(8, repeats=1)
+
+
+@pytest.mark.gpu
+def test_host_breakdown_parts_add_up_within_the_total():
+    out = host_breakdown(64, repeats=5, warmup=2, hidden=256, ffn=128)
+    assert all(out[part] > 0 for part in HOST_PARTS)
+    assert out["rest"] > 0 and 0 < out["triton_launch"] <= sum(out[p] for p in HOST_PARTS)
