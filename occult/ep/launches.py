@@ -112,15 +112,23 @@ def _patched(obj, name: str, value) -> Iterator[None]:
 # the wrapped parts of one forward, in call order
 HOST_PARTS = ("checks+tables", "plan_count", "plan_pack", "dispatch_rows", "group_pairs", "swiglu", "down_reduce",
               "combine")
+# nested inside them: the kernels' launchers without their differentiable-op wrappers
+INNER_PARTS = ("swiglu_launcher", "down_launcher")
 
 
 def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int = 0,
-                   experts: int = 64, top_k: int = 8, hidden: int = 2048, ffn: int = 1024) -> dict[str, float]:
+                   experts: int = 64, top_k: int = 8, hidden: int = 2048, ffn: int = 1024,
+                   custom_ops: bool = False) -> dict[str, float]:
     """Median host µs of one eager no-grad `ep_moe` forward (`total`), and the mean µs per call of
-    each part of `HOST_PARTS`, `triton_launch` (all Triton launches) and `rest`, on the GPU."""
+    each part of `HOST_PARTS` (0 for parts a one-device call skips), `rest`, the `INNER_PARTS` and
+    `triton_launch` (all Triton launches), on the GPU. `custom_ops`: the kernels' ops through their
+    `torch.library` custom ops (as under torch.compile) instead of the eager autograd Functions."""
     import triton
 
     from occult.ep import layer
+    from occult.kernels import grouped_down_reduce as down_module
+    from occult.kernels import grouped_swiglu as swiglu_module
+    from occult.kernels.eager_ops import through_custom_ops
 
     if not torch.cuda.is_available():
         raise RuntimeError("host_breakdown: needs a GPU (the Triton backend's launches are what it times)")
@@ -149,9 +157,15 @@ def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int 
 
     totals: list[float] = []
     with contextlib.ExitStack() as stack:
+        if custom_ops:
+            stack.enter_context(through_custom_ops())
         stack.enter_context(_patched(layer, "_Dispatch", Dispatch))
         stack.enter_context(_patched(layer, "_check_inputs", tables_and_checks(layer._check_inputs)))
         stack.enter_context(_patched(layer, "placement_tables", tables_and_checks(layer.placement_tables)))
+        stack.enter_context(_patched(swiglu_module, "grouped_swiglu_forward",
+                                     clock.wrap("swiglu_launcher", swiglu_module.grouped_swiglu_forward)))
+        stack.enter_context(_patched(down_module, "grouped_down_reduce_forward",
+                                     clock.wrap("down_launcher", down_module.grouped_down_reduce_forward)))
         stack.enter_context(_patched(triton.runtime.jit.JITFunction, "run",
                                      clock.wrap("triton_launch", triton.runtime.jit.JITFunction.run)))
         with torch.no_grad():
@@ -165,7 +179,7 @@ def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int 
                 clock.on = False
         torch.cuda.synchronize(device)
     out = {"total": statistics.median(totals), "total_mean": statistics.fmean(totals)}
-    out.update({part: clock.us[part] / repeats for part in (*HOST_PARTS, "triton_launch")})
+    out.update({part: clock.us[part] / repeats for part in (*HOST_PARTS, *INNER_PARTS, "triton_launch")})
     out["rest"] = out["total_mean"] - sum(out[part] for part in HOST_PARTS)
     return out
 
@@ -175,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-us", action="store_true", help="time the host per part on the GPU (else count)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 16384])
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--custom-ops", action="store_true",
+                        help="also time each size with the kernels' custom ops (columns marked 'op')")
     args = parser.parse_args(argv)
     if not args.host_us:
         for fused in (True, False):
@@ -182,12 +198,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'fused plan' if fused else 'OCCULT_FUSED_PLAN=0':>20}: {counts['aten']} aten ops, "
                   f"{counts['triton']} Triton launches")
         return 0
-    rows = {tokens: host_breakdown(tokens, args.repeats) for tokens in args.tokens}
-    keys = ["total", "total_mean", *HOST_PARTS, "triton_launch", "rest"]
+    rows = {}
+    for tokens in args.tokens:      # interleaved: each size eager Functions, then custom ops
+        rows[str(tokens)] = host_breakdown(tokens, args.repeats)
+        if args.custom_ops:
+            rows[f"{tokens} op"] = host_breakdown(tokens, args.repeats, custom_ops=True)
+    keys = ["total", "total_mean", *HOST_PARTS, "rest", *INNER_PARTS, "triton_launch"]
     print("host µs per eager forward (OLMoE layer, D = 1, no process group; parts are means)")
-    print(f"{'part':>14} " + " ".join(f"{t:>9}" for t in rows))
+    print(f"{'part':>15} " + " ".join(f"{t:>9}" for t in rows))
     for key in keys:
-        print(f"{key:>14} " + " ".join(f"{rows[t][key]:9.1f}" for t in rows))
+        print(f"{key:>15} " + " ".join(f"{rows[t][key]:9.1f}" for t in rows))
     return 0
 
 

@@ -341,8 +341,11 @@ def ep_moe(
     y_RD = expert_compute(received, w_gate_up_local, w_down_local, ops)
     if phase is not None:
         phase("computed")
-    z_SD = y_RD if world == 1 else AllToAll.apply(y_RD, received.send_rows, received.recv_rows, group)
-    y_TD = ops.combine(z_SD, received.plan.brim0_TJ)
+    if received.plan is None:           # one device, dedup: row t is token t's output already
+        z_SD = y_TD = y_RD
+    else:
+        z_SD = y_RD if world == 1 else AllToAll.apply(y_RD, received.send_rows, received.recv_rows, group)
+        y_TD = ops.combine(z_SD, received.plan.brim0_TJ)
     if phase is not None:
         phase("combined")
 
@@ -356,14 +359,15 @@ def ep_moe(
 @dataclass
 class Received:
     """What an expert rank holds after the dispatch: its rows, their pairs grouped by expert
-    (BRIM_1) and the row → pairs table; plus the source-side plan and split sizes."""
+    (BRIM_1) and the row → pairs table; plus the source-side plan and split sizes (`plan` None:
+    one device in dedup mode, where the rows are the tokens themselves and nothing was packed)."""
 
     x_RD: torch.Tensor
     pair_row_M: torch.Tensor
     pair_gate_M: torch.Tensor
     expert_offsets: torch.Tensor
     row_pairs_RK: torch.Tensor
-    plan: DispatchPlan
+    plan: DispatchPlan | None
     send_rows: list[int]
     recv_rows: list[int]
 
@@ -380,7 +384,10 @@ def dispatch_to_experts(
     world: int,
     rank: int,
 ) -> Received:
-    """Plan, exchange counts (exact plans: the one host sync), send the packed rows, build BRIM_1."""
+    """Plan, exchange counts (exact plans: the one host sync), send the packed rows, build BRIM_1.
+    On one device in dedup mode there is nothing to plan or send (`_local_pairs`)."""
+    if world == 1 and mode == "dedup":
+        return _local_pairs(x_TD, ids_TK, weights_TK, tables, ops, static_capacity)
     packed = None
     if static_capacity is None:
         fused = mode == "dedup" and ops.dedup_count is not None and ops.dedup_plan_pack is not None
@@ -421,6 +428,20 @@ def dispatch_to_experts(
     pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = grouper(code_RK, num_recv_pairs, tables.experts_here)
     pair_gate_M = gate_RK.reshape(-1)[pair_flat_M]
     return Received(x_RD, pair_row_M, pair_gate_M, expert_offsets, pair_pos_RK, plan, send_rows, recv_rows)
+
+
+def _local_pairs(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, tables: PlacementTables,
+                 ops: ExpertBackend, static_capacity: int | None) -> Received:
+    """One device, dedup: each token is its own row (x_RD = x_TD, no copy), its k slots hold its
+    experts (local ids = global ids on one device) and gates; only BRIM_1 is built. No host sync,
+    static shapes (T·k pairs), so it also serves the static-shape (CUDA-graph) call."""
+    tokens, top_k = ids_TK.shape
+    if static_capacity is not None and static_capacity < tokens:
+        raise ValueError(f"static_capacity: {static_capacity} rows per device < {tokens} tokens on this rank")
+    grouper = ops.group_pairs or build_pairs_from_slots
+    pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = grouper(ids_TK, tokens * top_k, tables.experts_here)
+    pair_gate_M = weights_TK.float().reshape(-1)[pair_flat_M]
+    return Received(x_TD, pair_row_M, pair_gate_M, expert_offsets, pair_pos_RK, None, [tokens], [tokens])
 
 
 def _one_device_sizes(ids_TK: torch.Tensor, mode: str) -> tuple[list[int], list[int], list[int]]:
@@ -471,6 +492,13 @@ def _check_inputs(
 
 def _record(stats: EPStats, received: Received, rank: int, x_TD: torch.Tensor, z_SD: torch.Tensor) -> None:
     plan, recv_rows = received.plan, received.recv_rows
+    if plan is None:                    # one device, rows used in place: no bytes moved
+        stats.calls += 1
+        stats.tokens += x_TD.shape[0]
+        stats.devices_per_token_sum += x_TD.shape[0]
+        stats.rows_self += x_TD.shape[0]
+        stats.pairs_received += int(received.expert_offsets[-1])       # host sync
+        return
     _, row_bytes = packed_row_layout(x_TD.shape[1], x_TD.dtype, plan.slots)   # packed: hidden + slots
     back_bytes = x_TD.shape[1] * z_SD.element_size()
     rows, pairs = plan.rows_per_device, plan.pairs_per_device

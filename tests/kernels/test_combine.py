@@ -158,3 +158,47 @@ def test_the_three_ops_trace_under_torch_compile():
     torch.testing.assert_close(out, out_eager)
     for got, want in zip(grads, grads_eager):
         torch.testing.assert_close(got, want)
+
+
+def test_eager_calls_skip_the_custom_ops_and_match_them_bitwise():
+    """Eagerly the three ops run as autograd Functions (no `occult::` op dispatched); inside
+    `through_custom_ops` they dispatch their custom ops; outputs and gradients are bitwise equal."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from occult.kernels import grouped_down_reduce, grouped_swiglu
+    from occult.kernels.eager_ops import through_custom_ops
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if str(func).startswith("occult."):
+                self.ops.add(str(func).split(".")[1])
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(6)
+    rows, hidden, ffn, experts = 12, 32, 16, 3
+    pair_row = torch.tensor([0, 3, 5, 1, 3, 7, 2, 9, 11, 4], device=DEVICE)
+    offsets = torch.tensor([0, 4, 4, 10], device=DEVICE)
+    brim = torch.tensor([[0, 1], [2, -1], [3, 4], [5, 6], [7, 8], [9, 10], [11, -1]], device=DEVICE)
+    leaves = [torch.randn(shape, generator=gen).to(DEVICE).requires_grad_()
+              for shape in ((rows, hidden), (experts, 2 * ffn, hidden), (experts, hidden, ffn), (10,))]
+
+    def run():
+        with Seen() as seen:
+            h = grouped_swiglu(leaves[0], pair_row, offsets, leaves[1])
+            out = combine(grouped_down_reduce(h, pair_row, leaves[3], offsets, leaves[2], rows), brim)
+            grads = torch.autograd.grad(out.square().sum(), leaves)
+        return out, grads, seen.ops
+
+    out, grads, seen = run()
+    with through_custom_ops():
+        out_op, grads_op, seen_op = run()
+    assert seen == set()
+    assert {"grouped_swiglu_fwd", "grouped_swiglu_bwd", "grouped_down_reduce", "grouped_down_reduce_bwd",
+            "combine", "combine_backward"} <= seen_op
+    torch.testing.assert_close(out, out_op, atol=0, rtol=0)
+    for got, want in zip(grads, grads_op):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from occult.ep.dist import run_ranks
 from occult.ep.layer import _pack_rows, ep_moe, get_backend
-from occult.ep.plan import count_dedup_plan, finish_dedup_plan, local_expert_ids, packed_row_layout
+from occult.ep.plan import count_dedup_plan, experts_of_device, finish_dedup_plan, local_expert_ids, packed_row_layout
 from occult.kernels.dispatch_plan import block_tokens, dedup_plan_count, dedup_plan_pack
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ep"))
@@ -95,9 +97,7 @@ def test_bad_ids_name_the_field():
         dedup_plan_count(torch.zeros(6, dtype=torch.long), placement, 2)
 
 
-def test_the_layer_uses_the_fused_plan_with_the_triton_backend(monkeypatch):
-    """One device: the Triton backend's dedup path runs the fused kernels and matches the torch
-    backend (which packs with the plain-torch plan), forward and gradients."""
+def _fused_against_torch(rank, world):
     layer = importlib.import_module("occult.ep.layer")
     triton_ops = get_backend("triton")
     calls = []
@@ -110,22 +110,34 @@ def test_the_layer_uses_the_fused_plan_with_the_triton_backend(monkeypatch):
 
     spied = layer.ExpertBackend(**{**triton_ops.__dict__, "dedup_count": spy(triton_ops.dedup_count, "count"),
                                    "dedup_plan_pack": spy(triton_ops.dedup_plan_pack, "pack")})
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(5 + rank)
     tokens, hidden, ffn, experts, top_k = 11, 16, 8, 4, 2
-    placement = torch.zeros(experts, dtype=torch.long)
+    placement = torch.arange(experts) * world // experts
     ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=1).indices
     outs = []
     for backend in (spied, "torch"):
-        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).requires_grad_()
-        weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(2)).requires_grad_()
-        w_gate_up = (torch.randn(experts, 2 * ffn, hidden, generator=torch.Generator().manual_seed(3)) * 0.2).requires_grad_()
-        w_down = (torch.randn(experts, hidden, ffn, generator=torch.Generator().manual_seed(4)) * 0.2).requires_grad_()
-        y = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend=backend)
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1 + rank)).requires_grad_()
+        weights = torch.rand(tokens, top_k, generator=torch.Generator().manual_seed(2 + rank)).requires_grad_()
+        local = experts_of_device(placement, rank)
+        w_gate_up = (torch.randn(experts, 2 * ffn, hidden, generator=torch.Generator().manual_seed(3)) * 0.2)[local]
+        w_down = (torch.randn(experts, hidden, ffn, generator=torch.Generator().manual_seed(4)) * 0.2)[local]
+        w_gate_up.requires_grad_()
+        w_down.requires_grad_()
+        y = ep_moe(x, ids, weights, placement, w_gate_up, w_down, group=dist.group.WORLD, backend=backend)
         grads = torch.autograd.grad(y, (x, weights, w_gate_up, w_down), torch.ones_like(y))
         outs.append((y, *grads))
-    assert calls == ["count", "pack"]
-    for got, want in zip(*outs):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    diffs = [float((got - want).abs().max()) for got, want in zip(*outs)]
+    return calls, diffs
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_layer_uses_the_fused_plan_with_the_triton_backend(world):
+    """The Triton backend's dedup path runs the fused plan and pack kernels when rows travel (D > 1)
+    and none on one device, and matches the torch backend (the plain-torch plan and pack), forward
+    and gradients."""
+    for calls, diffs in run_ranks(_fused_against_torch, world, timeout_s=240):
+        assert calls == (["count", "pack"] if world > 1 else [])
+        assert max(diffs) < 1e-4, diffs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,7 +195,7 @@ def test_the_layer_groups_with_the_kernel(monkeypatch):
     got = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend=spied)
     static = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend=spied, static_capacity=9)
     want = ep_moe(x, ids, weights, placement, w_gate_up, w_down, backend="torch")
-    assert calls == [18, None]                      # exact: the received pair count; static: padded
+    assert calls == [18, 18]        # one device: every slot is a pair (T·k), exact and static-shape calls alike
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(static, want, atol=1e-4, rtol=1e-4)
 
@@ -276,9 +288,10 @@ def test_the_fused_plan_can_be_switched_off_for_a_b_runs(monkeypatch):
     assert fused.dedup_count is dedup_plan_count and fused.group_pairs is not None
 
 
-def test_the_fused_plan_cuts_the_eager_forwards_launches():
+def test_the_one_device_forward_launches_only_brim1_and_the_experts():
     from occult.ep.launches import count_forward
 
     fused, plain = count_forward(True), count_forward(False)
-    assert fused["aten"] <= 12 and plain["aten"] >= 40               # docs/performance.md v6
-    assert fused["triton"] == plain["triton"] + 4                    # plan, pack, 2 for BRIM_1
+    # one device: no plan or pack, only BRIM_1 (2 launches against plain torch's sort) and the experts
+    assert fused["aten"] <= 6 and plain["aten"] >= 12                # docs/performance.md v11
+    assert fused["triton"] == plain["triton"] + 2
