@@ -28,8 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .eager_ops import differentiable, direct
-
 
 def interpreting() -> bool:
     """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
@@ -271,11 +269,9 @@ def segment_sum_rows(
 # ----------------------------------------------------------------------------------------------
 
 
-def _combine_impl(z_SD: torch.Tensor, brim0_TJ: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("occult::combine", mutates_args=())
+def _combine_op(z_SD: torch.Tensor, brim0_TJ: torch.Tensor) -> torch.Tensor:
     return combine_forward(z_SD, brim0_TJ)
-
-
-_combine_op = torch.library.custom_op("occult::combine", _combine_impl, mutates_args=())
 
 
 @_combine_op.register_fake
@@ -302,15 +298,13 @@ def _combine_setup_context(ctx, inputs, output) -> None:
 
 def _combine_grad(ctx, dout_TD: torch.Tensor):
     (brim0_TJ,) = ctx.saved_tensors
-    dz_SD = _combine_backward_call(dout_TD.to(ctx.z_dtype), brim0_TJ, ctx.num_rows)
+    dz_SD = _combine_backward_op(dout_TD.to(ctx.z_dtype), brim0_TJ, ctx.num_rows)
     return dz_SD, None
 
 
 _combine_op.register_autograd(_combine_grad, setup_context=_combine_setup_context)
-_combine_backward_call = direct(_combine_backward_op, combine_backward)
-_combine_call = differentiable(_combine_op, _combine_impl, _combine_setup_context, _combine_grad)
 
 
 def combine(z_SD: torch.Tensor, brim0_TJ: torch.Tensor) -> torch.Tensor:
     """out [T, D] = Σ_j z[brim0[t, j]] over brim0[t, j] ≥ 0, fp32 accumulation (differentiable in z)."""
-    return _combine_call(z_SD, brim0_TJ)
+    return _combine_op(z_SD, brim0_TJ)

@@ -39,7 +39,6 @@ import triton
 import triton.language as tl
 
 from .combine import check_row_table, gather_sum_rows, interpreting, row_csr, segment_sum_rows
-from .eager_ops import differentiable, direct
 from .grouped_swiglu import (
     GROUP_M,
     partial_dtype,
@@ -448,16 +447,13 @@ def grouped_down_reduce_backward(
 # ----------------------------------------------------------------------------------------------
 
 
-def _down_forward_impl(
+@torch.library.custom_op("occult::grouped_down_reduce", mutates_args=())
+def _grouped_down_reduce_op(
     h_MF: torch.Tensor, pair_row_M: torch.Tensor, pair_gate_M: torch.Tensor, expert_offsets: torch.Tensor,
     w_down_EDF: torch.Tensor, num_rows: int, row_pairs_RK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return grouped_down_reduce_forward(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows,
                                        row_pairs_RK)
-
-
-_grouped_down_reduce_op = torch.library.custom_op("occult::grouped_down_reduce", _down_forward_impl,
-                                                  mutates_args=())
 
 
 @_grouped_down_reduce_op.register_fake
@@ -492,7 +488,7 @@ def _down_grad(ctx, dy_RD):
     need_dh, need_dgate, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[4]
     if not (need_dh or need_dgate or need_dw):
         return None, None, None, None, None, None, None
-    dh_MF, dgate_M, dw_EDF = _down_backward_call(
+    dh_MF, dgate_M, dw_EDF = _grouped_down_reduce_backward_op(
         dy_RD, h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, need_dh or need_dgate, need_dw
     )
     return ((dh_MF if need_dh else None), None, (dgate_M if need_dgate else None), None,
@@ -500,8 +496,6 @@ def _down_grad(ctx, dy_RD):
 
 
 _grouped_down_reduce_op.register_autograd(_down_grad, setup_context=_down_setup_context)
-_down_backward_call = direct(_grouped_down_reduce_backward_op, grouped_down_reduce_backward)
-_down_call = differentiable(_grouped_down_reduce_op, _down_forward_impl, _down_setup_context, _down_grad)
 
 
 def grouped_down_reduce(
@@ -516,4 +510,5 @@ def grouped_down_reduce(
     """y [R, D] = Σ_{m : row[m] = r} gate[m] · h[m] Wd[e]^T, fp32 accumulation (differentiable in h,
     gate and Wd). Optional `row_pairs_RK` [R, K]: each row's pair positions (−1 = none), e.g. from
     `occult.ep.plan.build_pairs_from_slots`; it must agree with `pair_row_M` (not checked)."""
-    return _down_call(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows, row_pairs_RK)
+    return _grouped_down_reduce_op(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows,
+                                   row_pairs_RK)

@@ -50,7 +50,6 @@ import triton
 import triton.language as tl
 
 from .combine import check_row_table, gather_sum_rows, interpreting, row_csr, segment_sum_rows
-from .eager_ops import differentiable, direct
 
 
 def _configs(*shapes: tuple[int, int, int, int, int]) -> tuple[triton.Config, ...]:
@@ -968,14 +967,12 @@ def _swiglu_dw_x_operand(x_RD: torch.Tensor, pair_row_M: torch.Tensor, num_pairs
 # ----------------------------------------------------------------------------------------------
 
 
-def _swiglu_forward_impl(
+@torch.library.custom_op("occult::grouped_swiglu_fwd", mutates_args=())
+def _grouped_swiglu_op(
     x_RD: torch.Tensor, pair_row_M: torch.Tensor, expert_offsets: torch.Tensor, w_gate_up_E2FD: torch.Tensor,
     save_preact: bool, row_pairs_RK: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return grouped_swiglu_forward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact)
-
-
-_grouped_swiglu_op = torch.library.custom_op("occult::grouped_swiglu_fwd", _swiglu_forward_impl, mutates_args=())
 
 
 @_grouped_swiglu_op.register_fake
@@ -1017,7 +1014,7 @@ def _swiglu_grad(ctx, dh_MF, _dpreact):
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
     if dh_MF is None or not (need_dx or need_dw):
         return None, None, None, None, None, None
-    dx_RD, dw_E2FD = _swiglu_backward_call(
+    dx_RD, dw_E2FD = _grouped_swiglu_backward_op(
         dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw, row_pairs_RK,
         ctx.bwd_mode,
     )
@@ -1025,8 +1022,6 @@ def _swiglu_grad(ctx, dh_MF, _dpreact):
 
 
 _grouped_swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup_context)
-_swiglu_backward_call = direct(_grouped_swiglu_backward_op, grouped_swiglu_backward)
-_swiglu_call = differentiable(_grouped_swiglu_op, _swiglu_forward_impl, _swiglu_setup_context, _swiglu_grad)
 
 
 def grouped_swiglu(
@@ -1040,5 +1035,5 @@ def grouped_swiglu(
     Optional `row_pairs_RK` [R, K] (each row's pair positions, −1 = none) is used by the backward
     to sum dx per row without sorting; it must agree with `pair_row_M` (not checked)."""
     save_preact = torch.is_grad_enabled() and (x_RD.requires_grad or w_gate_up_E2FD.requires_grad)
-    h_MF, _ = _swiglu_call(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact, row_pairs_RK)
+    h_MF, _ = _grouped_swiglu_op(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact, row_pairs_RK)
     return h_MF

@@ -118,16 +118,13 @@ INNER_PARTS = ("swiglu_launcher", "down_launcher")
 
 
 def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int = 0,
-                   experts: int = 64, top_k: int = 8, hidden: int = 2048, ffn: int = 1024,
-                   custom_ops: bool = False) -> dict[str, float]:
+                   experts: int = 64, top_k: int = 8, hidden: int = 2048, ffn: int = 1024) -> dict[str, float]:
     """Median host µs of one eager no-grad `ep_moe` forward (`total`), and the mean µs per call of
     each part of `HOST_PARTS` (0 for parts a one-device call skips), `rest`, the `INNER_PARTS` and
-    `triton_launch` (all Triton launches), on the GPU. `custom_ops`: the kernels' ops through their
-    `torch.library` custom ops (as under torch.compile) instead of the eager autograd Functions."""
+    `triton_launch` (all Triton launches), on the GPU."""
     import triton
 
     from occult.ep import layer
-    from occult.kernels.eager_ops import through_custom_ops
 
     # the modules (occult.kernels exports functions of the same names)
     swiglu_module = importlib.import_module("occult.kernels.grouped_swiglu")
@@ -160,8 +157,6 @@ def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int 
 
     totals: list[float] = []
     with contextlib.ExitStack() as stack:
-        if custom_ops:
-            stack.enter_context(through_custom_ops())
         stack.enter_context(_patched(layer, "_Dispatch", Dispatch))
         stack.enter_context(_patched(layer, "_check_inputs", tables_and_checks(layer._check_inputs)))
         stack.enter_context(_patched(layer, "placement_tables", tables_and_checks(layer.placement_tables)))
@@ -192,8 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-us", action="store_true", help="time the host per part on the GPU (else count)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 16384])
     parser.add_argument("--repeats", type=int, default=100)
-    parser.add_argument("--custom-ops", action="store_true",
-                        help="also time each size with the kernels' custom ops (columns marked 'op')")
     args = parser.parse_args(argv)
     if not args.host_us:
         for fused in (True, False):
@@ -201,11 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'fused plan' if fused else 'OCCULT_FUSED_PLAN=0':>20}: {counts['aten']} aten ops, "
                   f"{counts['triton']} Triton launches")
         return 0
-    rows = {}
-    for tokens in args.tokens:      # interleaved: each size eager Functions, then custom ops
-        rows[str(tokens)] = host_breakdown(tokens, args.repeats)
-        if args.custom_ops:
-            rows[f"{tokens} op"] = host_breakdown(tokens, args.repeats, custom_ops=True)
+    rows = {str(tokens): host_breakdown(tokens, args.repeats) for tokens in args.tokens}
     keys = ["total", "total_mean", *HOST_PARTS, "rest", *INNER_PARTS, "triton_launch"]
     print("host µs per eager forward (OLMoE layer, D = 1, no process group; parts are means)")
     print(f"{'part':>15} " + " ".join(f"{t:>9}" for t in rows))
