@@ -86,6 +86,7 @@ class _Clock:
 
     def __init__(self) -> None:
         self.us: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
         self.on = False
 
     def wrap(self, part: str, fn: Callable) -> Callable:
@@ -97,6 +98,7 @@ class _Clock:
                 return fn(*args, **kwargs)
             finally:
                 self.us[part] += 1e6 * (time.perf_counter() - begin)
+                self.calls[part] += 1
         return timed
 
 
@@ -176,6 +178,10 @@ def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int 
                     totals.append(1e6 * (time.perf_counter() - begin))
                 clock.on = False
         torch.cuda.synchronize(device)
+    for inner, outer in zip(INNER_PARTS, ("swiglu", "down_reduce")):
+        if clock.calls[outer] and not clock.calls[inner]:     # a wrapper that was bypassed would read 0 µs
+            raise RuntimeError(f"host_breakdown: {inner} was never reached inside {outer}; the launcher was "
+                               "called through a reference the wrapper does not replace")
     out = {"total": statistics.median(totals), "total_mean": statistics.fmean(totals)}
     out.update({part: clock.us[part] / repeats for part in (*HOST_PARTS, *INNER_PARTS, "triton_launch")})
     out["rest"] = out["total_mean"] - sum(out[part] for part in HOST_PARTS)
