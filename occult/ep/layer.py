@@ -14,6 +14,7 @@ the placement gives it:
      one returned row per (token, device));
   5. return the rows with the inverse all-to-all and combine the C_T partials per token.
 
+On one device in dedup mode steps 1–3 and 5 vanish: the tokens are the rows (`_local_pairs`).
 Backward runs the same indices the other way: the transposed all-to-alls swap dispatch and
 combine (row gradients summed per token by the combine op over BRIM_0), and the gate-weight
 gradient is formed on the expert side (from `pair_gate_M`) and travels back in a small
@@ -314,7 +315,8 @@ def ep_moe(
 
     Per call: 3 all-to-alls (counts; packed rows; returned partials) and ONE host sync (the
     receive split sizes, read together with the send split sizes). On one device (no group, or a
-    group of one) there is neither: the sizes follow from the shapes of `ids_TK`.
+    group of one) there is neither, and in dedup mode no plan, pack or combine either: the tokens
+    are the rows, used in place, and only BRIM_1 is built (`_local_pairs`).
 
     `static_capacity=C` (dedup only; every rank passes the same C ≥ its T) selects the static-shape
     plan (`occult.ep.plan.static_plan`): 2 equal-split all-to-alls of D·C rows, NO host sync, so
