@@ -287,12 +287,18 @@ def _group_place_kernel(
     offs_p, mask_p, key = _slot_keys(code_ptr, num_slots, slots, num_experts, stride_cr, stride_cs, BLOCK_P)
     block = tl.program_id(0)
     # Position = the bucket's start + its slots in earlier blocks + earlier slots of this block in it
-    # (stable: flat order kept within a bucket). A [BLOCK_P, BLOCK_P] compare, no scan.
+    # (stable: flat order kept within a bucket). A [BLOCK_P, BLOCK_P] compare, no scan over slots.
+    # The buckets' starts come from the last column of the running sums (every program scans the
+    # few buckets itself; program 0 writes them out as the expert offsets).
     buckets = tl.arange(0, BUCKETS_P2)
     in_bucket = buckets <= num_experts
+    blocks = tl.num_programs(0)
+    totals = tl.load(cum_ptr + buckets * blocks + (blocks - 1), mask=in_bucket, other=0)
+    start = tl.cumsum(totals, axis=0) - totals
+    if block == 0:
+        tl.store(start_ptr + buckets, start, mask=in_bucket)
     after_first = (buckets * 0 + block) > 0
-    before = tl.load(start_ptr + buckets, mask=in_bucket, other=0) + tl.load(
-        cum_ptr + buckets * tl.num_programs(0) + (block - 1), mask=in_bucket & after_first, other=0)
+    before = start + tl.load(cum_ptr + buckets * blocks + (block - 1), mask=in_bucket & after_first, other=0)
     base = tl.sum(tl.where(key[:, None] == buckets[None, :], before[None, :], 0), axis=1)
     lanes = tl.arange(0, BLOCK_P)
     same_before = (key[:, None] == key[None, :]) & (lanes[None, :] < lanes[:, None]) & mask_p[None, :]
@@ -309,7 +315,7 @@ def group_pairs_by_expert(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """BRIM_1 from the received rows' slot codes: (pair_flat_M, pair_row_M, expert_offsets,
     pair_pos_RK), the outputs of `occult.ep.plan.build_pairs_from_slots` (its plain-torch
-    reference), by a counting sort in two launches and three small torch ops instead of a sort."""
+    reference), by a counting sort in two launches and one torch scan instead of a sort."""
     if code_RK.dim() != 2 or code_RK.is_floating_point():
         raise ValueError(f"group_pairs_by_expert: code_RK must be an integer [R, K] tensor, got "
                          f"{code_RK.dtype} {tuple(code_RK.shape)}")
@@ -332,8 +338,7 @@ def group_pairs_by_expert(
     # Scan along the innermost dimension: torch's outer-dimension scan runs one thread per column
     # over all blocks, ~0.4 ms for [4096 blocks, 33 buckets] on an H200 (ep_v6 profile).
     cum = counts.cumsum(1)
-    totals = cum[:, -1]
-    start = totals.cumsum(0) - totals                          # first position of each bucket
+    start = torch.empty(experts_per_rank + 1, **long)          # first position of each bucket (kernel)
     _group_place_kernel[(num_blocks,)](code_RK, cum, start, pair_flat_M, pair_row_M, pair_pos_RK, num_slots, slots,
                                        experts_per_rank, kept, *code_RK.stride(),
                                        BLOCK_P=block_p, BUCKETS_P2=buckets_p2)
