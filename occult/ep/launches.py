@@ -154,14 +154,11 @@ def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int 
     class Dispatch:
         apply = staticmethod(clock.wrap("dispatch_rows", layer._Dispatch.apply))
 
-    def tables_and_checks(part_fn):
-        return clock.wrap("checks+tables", part_fn)
-
     totals: list[float] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(_patched(layer, "_Dispatch", Dispatch))
-        stack.enter_context(_patched(layer, "_check_inputs", tables_and_checks(layer._check_inputs)))
-        stack.enter_context(_patched(layer, "placement_tables", tables_and_checks(layer.placement_tables)))
+        stack.enter_context(_patched(layer, "_check_inputs", clock.wrap("checks+tables", layer._check_inputs)))
+        stack.enter_context(_patched(layer, "placement_tables", clock.wrap("checks+tables", layer.placement_tables)))
         stack.enter_context(_patched(swiglu_module, "grouped_swiglu_forward",
                                      clock.wrap("swiglu_launcher", swiglu_module.grouped_swiglu_forward)))
         stack.enter_context(_patched(down_module, "grouped_down_reduce_forward",

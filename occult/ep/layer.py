@@ -43,6 +43,7 @@ from occult.ep.plan import (
     DispatchPlan,
     build_pairs_from_slots,
     check_placement,
+    check_static_capacity,
     count_dedup_plan,
     count_plan,
     finish_dedup_plan,
@@ -400,9 +401,10 @@ def dispatch_to_experts(
         else:
             counts = count_plan(ids_TK, tables.placement_E, world, tables.local_id_E, mode)
         if world == 1:
-            # One device: every pair stays here, so the sizes follow from the shapes; no host sync.
-            send_rows, send_pairs, most_pairs = _one_device_sizes(ids_TK, mode)
-            recv_rows, recv_pairs = send_rows, send_pairs
+            # One device, per_expert (dedup took `_local_pairs`): one row per pair, so the sizes
+            # follow from the shape; no host sync.
+            send_rows = send_pairs = recv_rows = recv_pairs = [ids_TK.numel()]
+            most_pairs = [1 if ids_TK.numel() else 0]
         else:
             recv_counts_D3 = _all_to_all(counts.counts_D3, [1] * world, [1] * world, group)
             # The one host sync: send and receive split sizes (and every rank's most pairs per row).
@@ -438,20 +440,12 @@ def _local_pairs(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Ten
     experts (local ids = global ids on one device) and gates; only BRIM_1 is built. No host sync,
     static shapes (T·k pairs), so it also serves the static-shape (CUDA-graph) call."""
     tokens, top_k = ids_TK.shape
-    if static_capacity is not None and static_capacity < tokens:
-        raise ValueError(f"static_capacity: {static_capacity} rows per device < {tokens} tokens on this rank")
+    if static_capacity is not None:
+        check_static_capacity(static_capacity, tokens)
     grouper = ops.group_pairs or build_pairs_from_slots
     pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = grouper(ids_TK, tokens * top_k, tables.experts_here)
     pair_gate_M = weights_TK.float().reshape(-1)[pair_flat_M]
     return Received(x_TD, pair_row_M, pair_gate_M, expert_offsets, pair_pos_RK, None, [tokens], [tokens])
-
-
-def _one_device_sizes(ids_TK: torch.Tensor, mode: str) -> tuple[list[int], list[int], list[int]]:
-    """(rows, pairs, most pairs per row) that the count kernels would report on one device."""
-    tokens, k = ids_TK.shape
-    if mode == "dedup":             # one row per token holding its k pairs
-        return [tokens], [tokens * k], [k if tokens else 0]
-    return [tokens * k], [tokens * k], [1 if tokens else 0]    # per_expert: one row per pair
 
 
 def expert_compute(

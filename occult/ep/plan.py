@@ -365,6 +365,12 @@ def static_slots(device_of_expert_E: torch.Tensor, num_devices: int, top_k: int)
     return max(min(top_k, most_here), 1)
 
 
+def check_static_capacity(capacity: int, num_tokens: int) -> None:
+    """A static-shape call needs room for every token of this rank on each device."""
+    if capacity < num_tokens:
+        raise ValueError(f"static_capacity: {capacity} rows per device < {num_tokens} tokens on this rank")
+
+
 def static_plan(
     ids_TK: torch.Tensor,
     device_of_expert_E: torch.Tensor,
@@ -379,8 +385,7 @@ def static_plan(
     if ids_TK.dim() != 2:
         raise ValueError(f"ids_TK: expected [T, k], got shape {tuple(ids_TK.shape)}")
     num_tokens, top_k = ids_TK.shape
-    if capacity < num_tokens:
-        raise ValueError(f"static_capacity: {capacity} rows per device < {num_tokens} tokens on this rank")
+    check_static_capacity(capacity, num_tokens)
     device = ids_TK.device
     placement = device_of_expert_E.to(device=device, dtype=torch.long)
     local_id = local_id_of_expert_E.to(device=device, dtype=torch.long)

@@ -63,3 +63,15 @@ def test_host_breakdown_parts_add_up_within_the_total():
     assert all(out[part] == 0 for part in skipped)
     assert 0 < out["swiglu_launcher"] < out["swiglu"] and 0 < out["down_launcher"] < out["down_reduce"]
     assert out["rest"] > 0 and 0 < out["triton_launch"] <= sum(out[p] for p in HOST_PARTS)
+
+
+def test_a_static_capacity_below_the_tokens_is_refused_on_one_device_and_in_the_plan():
+    from occult.ep.plan import static_plan
+
+    x, ids = torch.randn(5, 8), torch.tensor([[0, 1]] * 5)
+    w_gu, w_dn = torch.randn(2, 6, 8), torch.randn(2, 8, 3)
+    with pytest.raises(ValueError, match="static_capacity: 4 rows per device < 5 tokens"):
+        ep_moe(x, ids, torch.rand(5, 2), torch.zeros(2, dtype=torch.long), w_gu, w_dn, static_capacity=4)
+    with pytest.raises(ValueError, match="static_capacity: 4 rows per device < 5 tokens"):
+        static_plan(ids, torch.tensor([0, 1]), 2, torch.tensor([0, 0]), 4, 2)
+    assert ep_moe(x, ids, torch.rand(5, 2), torch.zeros(2, dtype=torch.long), w_gu, w_dn, static_capacity=5).shape == (5, 8)
