@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import check_row_table, gather_sum_rows, interpreting, row_csr, segment_sum_rows
+from .combine import check_row_table, direct_call_ok, gather_sum_rows, interpreting, row_csr, segment_sum_rows
 from .grouped_swiglu import (
     GROUP_M,
     partial_dtype,
@@ -488,7 +488,8 @@ def _down_grad(ctx, dy_RD):
     need_dh, need_dgate, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[4]
     if not (need_dh or need_dgate or need_dw):
         return None, None, None, None, None, None, None
-    dh_MF, dgate_M, dw_EDF = _grouped_down_reduce_backward_op(
+    backward = grouped_down_reduce_backward if direct_call_ok(dy_RD) else _grouped_down_reduce_backward_op
+    dh_MF, dgate_M, dw_EDF = backward(
         dy_RD, h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, need_dh or need_dgate, need_dw
     )
     return ((dh_MF if need_dh else None), None, (dgate_M if need_dgate else None), None,
@@ -510,5 +511,8 @@ def grouped_down_reduce(
     """y [R, D] = Σ_{m : row[m] = r} gate[m] · h[m] Wd[e]^T, fp32 accumulation (differentiable in h,
     gate and Wd). Optional `row_pairs_RK` [R, K]: each row's pair positions (−1 = none), e.g. from
     `occult.ep.plan.build_pairs_from_slots`; it must agree with `pair_row_M` (not checked)."""
+    if direct_call_ok(h_MF, pair_gate_M, w_down_EDF):
+        return grouped_down_reduce_forward(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows,
+                                           row_pairs_RK)
     return _grouped_down_reduce_op(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows,
                                    row_pairs_RK)

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import check_row_table, gather_sum_rows, interpreting, row_csr, segment_sum_rows
+from .combine import check_row_table, direct_call_ok, gather_sum_rows, interpreting, row_csr, segment_sum_rows
 
 
 def _configs(*shapes: tuple[int, int, int, int, int]) -> tuple[triton.Config, ...]:
@@ -154,7 +154,7 @@ def fixed_gemm_meta(dtype: torch.dtype, num_pairs: int, kernel_name: str | None 
     if num_pairs < AUTOTUNE_MIN_PAIRS:
         return SMALL_GEMM_META
     if _PINNING[0] and shape is not None and device is not None and device.type == "cuda" and kernel_name is not None:
-        tuned = TUNED_GEMM_META.get((kernel_name, torch.cuda.get_device_capability(device)[0], *shape, tma))
+        tuned = TUNED_GEMM_META.get((kernel_name, capability_major(device), *shape, tma))
         if tuned is not None:
             return tuned
     return None
@@ -275,7 +275,7 @@ def use_tma(*tensors: torch.Tensor) -> bool:
     if interpreting():
         return True
     device = tensors[0].device
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if device.type != "cuda" or capability_major(device) < 9:
         return False
     if any(t.element_size() != 2 for t in tensors):
         return False
@@ -377,6 +377,13 @@ def gemm_programs(tile_bound: int, meta: Mapping[str, int], device: torch.device
     if not meta.get("PERSISTENT"):
         return tile_bound
     return max(1, min(tile_bound, _multiprocessors(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def capability_major(device: torch.device) -> int:
+    """The compute capability's major version of a CUDA `device` (a tensor's: it has an index),
+    memoised: `torch.cuda.get_device_capability` builds the device's properties on every call."""
+    return torch.cuda.get_device_capability(device)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -1014,7 +1021,8 @@ def _swiglu_grad(ctx, dh_MF, _dpreact):
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[3]
     if dh_MF is None or not (need_dx or need_dw):
         return None, None, None, None, None, None
-    dx_RD, dw_E2FD = _grouped_swiglu_backward_op(
+    backward = grouped_swiglu_backward if direct_call_ok(dh_MF) else _grouped_swiglu_backward_op
+    dx_RD, dw_E2FD = backward(
         dh_MF, x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, preact_M2F, need_dx, need_dw, row_pairs_RK,
         ctx.bwd_mode,
     )
@@ -1035,5 +1043,7 @@ def grouped_swiglu(
     Optional `row_pairs_RK` [R, K] (each row's pair positions, −1 = none) is used by the backward
     to sum dx per row without sorting; it must agree with `pair_row_M` (not checked)."""
     save_preact = torch.is_grad_enabled() and (x_RD.requires_grad or w_gate_up_E2FD.requires_grad)
+    if not save_preact and direct_call_ok():
+        return grouped_swiglu_forward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, False)[0]
     h_MF, _ = _grouped_swiglu_op(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact, row_pairs_RK)
     return h_MF

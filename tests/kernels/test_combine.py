@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from occult.kernels import combine, combine_ref
 from occult.kernels.combine import row_csr, segment_sum_rows
@@ -158,3 +159,64 @@ def test_the_three_ops_trace_under_torch_compile():
     torch.testing.assert_close(out, out_eager)
     for got, want in zip(grads, grads_eager):
         torch.testing.assert_close(got, want)
+
+
+def test_eager_calls_skip_the_custom_ops_only_when_nothing_needs_them(monkeypatch):
+    """`direct_call_ok`: an eager no-grad forward and the autograd backward call the implementations
+    directly (same numbers); a forward that records autograd, or runs under a torch dispatch mode
+    (fake tensors, op counters), goes through the registered custom ops."""
+    import importlib
+
+    from occult.kernels import grouped_down_reduce, grouped_swiglu
+
+    modules = {name: importlib.import_module(f"occult.kernels.{name}")
+               for name in ("combine", "grouped_swiglu", "grouped_down_reduce")}
+    op_names = {"combine": ("_combine_op", "_combine_backward_op"),
+                "grouped_swiglu": ("_grouped_swiglu_op", "_grouped_swiglu_backward_op"),
+                "grouped_down_reduce": ("_grouped_down_reduce_op", "_grouped_down_reduce_backward_op")}
+    calls: dict[str, int] = {}
+    for module_name, names in op_names.items():
+        for name in names:
+            original = getattr(modules[module_name], name)
+
+            def counted(*args, _original=original, _name=name):
+                calls[_name] = calls.get(_name, 0) + 1
+                return _original(*args)
+            monkeypatch.setattr(modules[module_name], name, counted)
+
+    gen = torch.Generator().manual_seed(6)
+    rows, hidden, ffn, experts = 12, 32, 16, 3
+    pair_row = torch.tensor([0, 3, 5, 1, 3, 7, 2, 9, 11, 4], device=DEVICE)
+    offsets = torch.tensor([0, 4, 4, 10], device=DEVICE)
+    brim = torch.tensor([[0, 1], [2, -1], [3, 4], [5, 6], [7, 8], [9, 10], [11, -1]], device=DEVICE)
+    leaves = [torch.randn(shape, generator=gen).to(DEVICE)
+              for shape in ((rows, hidden), (experts, 2 * ffn, hidden), (experts, hidden, ffn), (10,))]
+
+    def layer(x, w_gate_up, w_down, gate):
+        h = grouped_swiglu(x, pair_row, offsets, w_gate_up)
+        return combine(grouped_down_reduce(h, pair_row, gate, offsets, w_down, rows), brim)
+
+    with torch.no_grad():
+        direct = layer(*leaves)
+    assert calls == {}
+    with torch.no_grad(), _PassThrough():
+        through_ops = layer(*leaves)
+    assert calls == {"_grouped_swiglu_op": 1, "_grouped_down_reduce_op": 1, "_combine_op": 1}
+    torch.testing.assert_close(direct, through_ops, atol=0, rtol=0)
+
+    calls.clear()
+    graded = [leaf.clone().requires_grad_() for leaf in leaves]
+    out = layer(*graded)
+    assert calls == {"_grouped_swiglu_op": 1, "_grouped_down_reduce_op": 1, "_combine_op": 1}
+    torch.testing.assert_close(out.detach(), direct, atol=0, rtol=0)
+    calls.clear()
+    out.square().sum().backward()
+    assert calls == {}                     # the backward ops are called directly in eager autograd
+    assert all(leaf.grad is not None and leaf.grad.abs().sum() > 0 for leaf in graded)
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that only passes every op on (any mode keeps the custom ops)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
