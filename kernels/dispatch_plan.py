@@ -30,7 +30,7 @@ import triton.language as tl
 
 from occult.ep.plan import DispatchPlan, packed_row_layout
 
-from .combine import interpreting
+from .combine import cdiv, interpreting, next_pow2
 
 MAX_PAIR_TILE = 8192          # BLOCK_T · K_P2 · max(D_P2, K_P2) elements of the 3-D compares
 
@@ -142,13 +142,13 @@ def _plan_pack_kernel(
 
 
 def _pow2(value: int) -> int:
-    return max(2, triton.next_power_of_2(max(value, 1)))
+    return max(2, next_pow2(max(value, 1)))
 
 
 def block_tokens(top_k: int, num_devices: int) -> int:
     """Tokens per program: the [T, k, max(D, k)] compares stay within MAX_PAIR_TILE elements."""
     per_token = _pow2(top_k) * max(_pow2(num_devices), _pow2(top_k))
-    return max(16, min(128, triton.next_power_of_2(max(MAX_PAIR_TILE // per_token, 1))))
+    return max(16, min(128, next_pow2(max(MAX_PAIR_TILE // per_token, 1))))
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def dedup_plan_count(ids_TK: torch.Tensor, device_of_expert_E: torch.Tensor, num
     num_tokens, top_k = ids_TK.shape
     device = ids_TK.device
     block_t = block_tokens(top_k, num_devices)
-    num_blocks = triton.cdiv(num_tokens, block_t)
+    num_blocks = cdiv(num_tokens, block_t)
     if num_blocks == 0:
         zeros = torch.zeros(num_devices, 3, dtype=torch.long, device=device)
         return FusedCounts(zeros, torch.zeros(num_devices, 0, dtype=torch.long, device=device), block_t)
@@ -235,7 +235,7 @@ def dedup_plan_pack(
         return plan, buffer
     # 128 hidden columns × up to 128 tokens in 8 warps: 64 x elements a thread, no spill
     block_h = 32 if interpreting() else 128
-    chunks = max(triton.cdiv(hidden, block_h), 1)
+    chunks = max(cdiv(hidden, block_h), 1)
     _plan_pack_kernel[(num_blocks, chunks)](
         ids_TK, device_of_expert_E, local_id_of_expert_E, weights_TK, x_TD, counts.cum_rows_DB,
         plan.brim0_TJ, plan.send_token_S, plan.devices_per_token_T, plan.pair_row_P, plan.pair_rank_P,
@@ -328,7 +328,7 @@ def group_pairs_by_expert(
     pair_row_M = torch.empty(kept, **long)
     pair_pos_RK = torch.empty(num_rows, slots, **long)
     block_p = 16 if interpreting() else 64
-    num_blocks = triton.cdiv(num_slots, block_p)
+    num_blocks = cdiv(num_slots, block_p)
     if num_blocks == 0:
         return pair_flat_M, pair_row_M, torch.zeros(experts_per_rank + 1, **long), pair_pos_RK
     buckets_p2 = _pow2(experts_per_rank + 1)

@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import check_row_table, direct_call_ok, gather_sum_rows, interpreting, row_csr, segment_sum_rows
+from .combine import (cdiv, check_row_table, direct_call_ok, gather_sum_rows, interpreting, next_pow2, row_csr,
+                      segment_sum_rows)
 from .grouped_swiglu import (
     GROUP_M,
     partial_dtype,
@@ -283,7 +284,7 @@ def gather_scale_rows(x_RD: torch.Tensor, pair_row_M: torch.Tensor, pair_gate_M:
     out = torch.empty(num_pairs, hidden, dtype=dtype, device=x_RD.device)
     if num_pairs and hidden and x_RD.shape[0]:
         block_t, block_d = (16, 16) if interpreting() else (32, 256)
-        grid = (triton.cdiv(num_pairs, block_t), triton.cdiv(hidden, block_d))
+        grid = (cdiv(num_pairs, block_t), cdiv(hidden, block_d))
         _gather_scale_rows_kernel[grid](x_RD, pair_row_M, pair_gate_M, out, num_pairs, x_RD.shape[0], hidden,
                                         *x_RD.stride(),
                                         pair_gate_M.stride(0), *out.stride(), BLOCK_T=block_t, BLOCK_D=block_d)
@@ -357,10 +358,10 @@ def grouped_down_reduce_forward(
         *h_MF.stride(), *pair_gate_M.stride(), *w_down_EDF.stride(), *yp_MD.stride(),
     )
     consts = dict(SCATTER_ROWS=scatter_rows, TMA=use_tma(h_MF, w_down_EDF), PRECISION=dot_precision(h_MF.dtype),
-                  GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
+                  GROUP_SIZE=GROUP_M, EXPERTS_P2=next_pow2(num_experts))
 
     def grid(meta):
-        tiles = m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"])
+        tiles = m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * cdiv(hidden, meta["BLOCK_N"])
         return (gemm_programs(tiles, meta, h_MF.device),)
 
     launch_gemm(_down_fwd_tuned, _down_fwd_kernel, grid, args, consts, h_MF.dtype, num_pairs, (hidden, ffn))
@@ -404,17 +405,17 @@ def grouped_down_reduce_backward(
             # rows of blocks the chosen config does not have stay zero.
             meta = fixed_gemm_meta(h_MF.dtype, num_pairs, kernel_name(_down_bwd_dh_kernel))
             narrowest = meta["BLOCK_N"] if meta else min(cfg.kwargs["BLOCK_N"] for cfg in SINGLE_ACC_CONFIGS)
-            dgp_NM = torch.zeros(triton.cdiv(ffn, narrowest), num_pairs, dtype=torch.float32, device=h_MF.device)
+            dgp_NM = torch.zeros(cdiv(ffn, narrowest), num_pairs, dtype=torch.float32, device=h_MF.device)
             args = (
                 dy_RD, pair_row_M, pair_gate_M, h_MF, expert_offsets, w_down_EDF, dh_MF, dgp_NM,
                 num_pairs, hidden, ffn, num_experts,
                 *dy_RD.stride(), *pair_gate_M.stride(), *h_MF.stride(), *w_down_EDF.stride(),
                 *dh_MF.stride(), *dgp_NM.stride(),
             )
-            consts = dict(PRECISION=precision, GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
+            consts = dict(PRECISION=precision, GROUP_SIZE=GROUP_M, EXPERTS_P2=next_pow2(num_experts))
 
             def grid_dh(meta):
-                return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"]),)
+                return (m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * cdiv(ffn, meta["BLOCK_N"]),)
 
             launch_gemm(_down_bwd_dh_tuned, _down_bwd_dh_kernel, grid_dh, args, consts, h_MF.dtype, num_pairs)
             dgate_M = dgp_NM.sum(dim=0).to(pair_gate_M.dtype)
@@ -435,7 +436,7 @@ def grouped_down_reduce_backward(
             )
 
             def grid_dw(meta):
-                return (num_experts * triton.cdiv(hidden, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"]),)
+                return (num_experts * cdiv(hidden, meta["BLOCK_M"]) * cdiv(ffn, meta["BLOCK_N"]),)
 
             launch_gemm(_down_bwd_dw_tuned, _down_bwd_dw_kernel, grid_dw, args,
                         dict(PRECISION=precision, TMA=tma), h_MF.dtype, num_pairs, (hidden, ffn))

@@ -49,7 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import check_row_table, direct_call_ok, gather_sum_rows, interpreting, row_csr, segment_sum_rows
+from .combine import (cdiv, check_row_table, direct_call_ok, gather_sum_rows, interpreting, next_pow2, row_csr,
+                      segment_sum_rows)
 
 
 def _configs(*shapes: tuple[int, int, int, int, int]) -> tuple[triton.Config, ...]:
@@ -368,7 +369,7 @@ def swizzle_tiles(pid, num_pid_m, num_pid_n, GROUP_SIZE: tl.constexpr):
 
 def m_tile_bound(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of Σ_e ceil(count_e / block_m), known without reading the counts."""
-    return triton.cdiv(num_pairs, block_m) + num_experts
+    return cdiv(num_pairs, block_m) + num_experts
 
 
 def gemm_programs(tile_bound: int, meta: Mapping[str, int], device: torch.device) -> int:
@@ -779,7 +780,7 @@ def swiglu_preact_grad(dh_MF: torch.Tensor, preact_M2F: torch.Tensor, dtype: tor
     if num_pairs == 0 or ffn == 0:
         return out
     block_t, block_f = (16, 16) if interpreting() else (32, 128)
-    grid = (triton.cdiv(num_pairs, block_t), triton.cdiv(ffn, block_f))
+    grid = (cdiv(num_pairs, block_t), cdiv(ffn, block_f))
     _swiglu_preact_grad_kernel[grid](dh_MF, preact_M2F, out, num_pairs, ffn, *dh_MF.stride(), *preact_M2F.stride(),
                                      *out.stride(), BLOCK_T=block_t, BLOCK_F=block_f)
     return out
@@ -834,10 +835,10 @@ def grouped_swiglu_forward(
     )
     consts = dict(SAVE_PREACT=save_preact, TMA=use_tma(w_gate_up_E2FD), EVEN_K=hidden % MAX_BLOCK_K == 0,
                   PRECISION=dot_precision(x_RD.dtype),
-                  GROUP_SIZE=GROUP_M, EXPERTS_P2=triton.next_power_of_2(num_experts))
+                  GROUP_SIZE=GROUP_M, EXPERTS_P2=next_pow2(num_experts))
 
     def grid(meta):
-        tiles = m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(ffn, meta["BLOCK_N"])
+        tiles = m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * cdiv(ffn, meta["BLOCK_N"])
         return (gemm_programs(tiles, meta, x_RD.device),)
 
     launch_gemm(_swiglu_fwd_tuned, _swiglu_fwd_kernel, grid, args, consts, x_RD.dtype, num_pairs,
@@ -902,10 +903,10 @@ def grouped_swiglu_backward(
             )
             tma = swiglu_dx_uses_tma(preact_M2F, w_gate_up_E2FD, ready)
             consts = dict(SCATTER_ROWS=scatter_rows, PRECISION=precision, GROUP_SIZE=GROUP_M,
-                          EXPERTS_P2=triton.next_power_of_2(num_experts), GRADS_READY=ready, TMA=tma)
+                          EXPERTS_P2=next_pow2(num_experts), GRADS_READY=ready, TMA=tma)
 
             def grid_dx(meta):
-                tiles = m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"])
+                tiles = m_tile_bound(num_pairs, num_experts, meta["BLOCK_M"]) * cdiv(hidden, meta["BLOCK_N"])
                 return (gemm_programs(tiles, meta, x_RD.device),)
 
             launch_gemm(_swiglu_bwd_dx_tuned, _swiglu_bwd_dx_kernel, grid_dx, args, consts, x_RD.dtype, num_pairs,
@@ -932,7 +933,7 @@ def grouped_swiglu_backward(
 
             def grid_dw(meta):
                 out_rows = two_f if meta.get("ONE_ACC") else ffn
-                return (num_experts * triton.cdiv(out_rows, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_N"]),)
+                return (num_experts * cdiv(out_rows, meta["BLOCK_M"]) * cdiv(hidden, meta["BLOCK_N"]),)
 
             launch_gemm(_swiglu_bwd_dw_tuned, _swiglu_bwd_dw_kernel, grid_dw, args,
                         dict(PRECISION=precision, GRADS_READY=ready, TMA=tma), x_RD.dtype, num_pairs, measured_shape)

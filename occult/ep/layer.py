@@ -215,8 +215,10 @@ def placement_tables(
     if isinstance(values, torch.Tensor):
         if values.dim() != 1 or values.is_floating_point():
             check_placement(values.detach().cpu(), world)        # raises, naming the field
-        values = values.detach().tolist()
-    return _placement_tables(tuple(int(v) for v in values), world, rank, torch.device(device))
+        key = tuple(values.detach().tolist())                   # Python ints already
+    else:
+        key = tuple(int(v) for v in values)
+    return _placement_tables(key, world, rank, torch.device(device))
 
 
 def _pack_rows(x_TD: torch.Tensor, gate_P: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
@@ -430,7 +432,7 @@ def dispatch_to_experts(
     x_RD, code_RK, gate_RK = _Dispatch.apply(x_TD, weights_TK, plan, recv_rows, group, ops.combine, packed)
     grouper = ops.group_pairs or build_pairs_from_slots
     pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = grouper(code_RK, num_recv_pairs, tables.experts_here)
-    pair_gate_M = gate_RK.reshape(-1)[pair_flat_M]
+    pair_gate_M = torch.index_select(gate_RK.reshape(-1), 0, pair_flat_M)
     return Received(x_RD, pair_row_M, pair_gate_M, expert_offsets, pair_pos_RK, plan, send_rows, recv_rows)
 
 
@@ -444,7 +446,7 @@ def _local_pairs(x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Ten
         check_static_capacity(static_capacity, tokens)
     grouper = ops.group_pairs or build_pairs_from_slots
     pair_flat_M, pair_row_M, expert_offsets, pair_pos_RK = grouper(ids_TK, tokens * top_k, tables.experts_here)
-    pair_gate_M = weights_TK.float().reshape(-1)[pair_flat_M]
+    pair_gate_M = torch.index_select(weights_TK.float().reshape(-1), 0, pair_flat_M)
     return Received(x_TD, pair_row_M, pair_gate_M, expert_offsets, pair_pos_RK, None, [tokens], [tokens])
 
 

@@ -116,7 +116,7 @@ def test_measured_configs_are_pinned_only_for_their_shape_dtype_size_and_archite
     AUTOTUNE_MIN_PAIRS pairs on; everything else keeps the fixed or autotuned path."""
     monkeypatch.setattr(swiglu_module, "interpreting", lambda: False)
     capability = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
+    monkeypatch.setattr(swiglu_module, "capability_major", lambda device: capability[0][0])
     cuda, many = torch.device("cuda", 0), 10**6
     name = "_swiglu_bwd_dx_kernel"
     pinned = swiglu_module.TUNED_GEMM_META[(name, 9, 2048, 1024, False)]
