@@ -48,8 +48,8 @@ def direct_call_ok(*grad_inputs: torch.Tensor) -> bool:
     """Whether a differentiable op of this package may call its implementation directly instead of
     through its torch custom op: eager (not traced by torch.compile), no torch dispatch mode active
     (fake tensors, op counters), and no autograd graph to record for `grad_inputs`. The custom op's
-    dispatch costs 10–30 µs of host time per call on a fast host and 100–140 µs on a slow one
-    (docs/performance.md, v12), for nothing in an eager no-grad forward or an autograd backward."""
+    dispatch costs 30–60 µs of host time per call on the H200 machine (docs/performance.md, v12),
+    for nothing in an eager no-grad forward or an autograd backward."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs))
