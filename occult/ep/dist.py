@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 POLL_S = 0.1
 FAILURE_GRACE_S = 2.0
 KILL_GRACE_S = 2.0
+RENDEZVOUS_ATTEMPTS = 2
 
 
 class RankFailure(RuntimeError):
@@ -50,6 +51,7 @@ def _rank_main(
     kwargs: dict,
 ) -> None:
     torch.set_num_threads(1)
+    phase = "init-error"                # the rendezvous failed: nothing of fn has run here
     try:
         dist.init_process_group(
             "gloo",
@@ -58,6 +60,7 @@ def _rank_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        phase = "error"
         try:
             value = fn(rank, world_size, *args, **kwargs)
         finally:
@@ -66,15 +69,16 @@ def _rank_main(
         # tensors to this process, which exits right after.
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - everything is reported to the parent
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, phase, traceback.format_exc()))
         results.close()
         results.join_thread()
         os._exit(1)
 
 
 def _failure_message(rank: int, payload: str, results, world_size: int, processes: list,
-                     finished: dict) -> str:
-    """All errors reported within a short grace period, root causes first.
+                     finished: dict, in_fn: set[int]) -> str:
+    """All errors reported within a short grace period, root causes first; the ranks whose error
+    came from `fn` (not from the rendezvous) are added to `in_fn`.
 
     When one rank raises or dies, its peers soon fail too with transport errors ("Connection
     reset by peer"); whichever reaches the parent first, the message leads with the original
@@ -89,8 +93,10 @@ def _failure_message(rank: int, payload: str, results, world_size: int, processe
         except queue.Empty:
             continue
         reported.add(other)
-        if status == "error":
+        if status in ("error", "init-error"):
             errors[other] = text
+        if status == "error":
+            in_fn.add(other)
     for other, proc in enumerate(processes):
         proc.join(0.05)
         if other not in reported and proc.exitcode not in (None, 0):
@@ -121,6 +127,10 @@ def _stop(processes: list) -> None:
             proc.join(KILL_GRACE_S)
 
 
+class _RendezvousFailure(RankFailure):
+    """A rank's gloo rendezvous failed before any rank's `fn` reported an error of its own."""
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -131,13 +141,28 @@ def run_ranks(
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` gloo ranks; return the results.
 
-    `timeout_s` bounds each collective; `deadline_s` (default: `timeout_s` plus 30 s) bounds the
-    whole run. `fn` is inherited through fork, so closures work; its return value must pickle.
+    `timeout_s` bounds each collective; `deadline_s` (default: `timeout_s` plus 30 s) bounds each
+    attempt. `fn` is inherited through fork, so closures work; its return value must pickle.
+    A failed rendezvous (gloo's full-mesh connect on a loaded host, seen in CI beside other gloo
+    jobs) is retried from fresh processes up to RENDEZVOUS_ATTEMPTS times in all, unless a rank's
+    `fn` had already failed; an error raised by `fn` itself is never retried.
     """
     if world_size < 1:
         raise ValueError(f"world_size: must be at least 1, got {world_size}")
     deadline_s = timeout_s + 30.0 if deadline_s is None else deadline_s
     os.environ["OMP_NUM_THREADS"] = "1"
+    attempt = 1
+    while True:
+        try:
+            return _run_ranks_once(fn, world_size, args, kwargs, timeout_s, deadline_s)
+        except _RendezvousFailure as failure:
+            if attempt >= RENDEZVOUS_ATTEMPTS:
+                raise RankFailure(f"the gloo rendezvous failed {attempt} times; the last time:\n{failure}") from None
+            attempt += 1
+
+
+def _run_ranks_once(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout_s: float,
+                    deadline_s: float) -> list[Any]:
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     tmp_dir = Path(tempfile.mkdtemp(prefix="occult-gloo-"))
@@ -177,8 +202,10 @@ def run_ranks(
                             f"ranks {missing} of {world_size} did not finish within {deadline_s:.0f} s"
                         )
                     continue
-            if status == "error":
-                raise RankFailure(_failure_message(rank, payload, results, world_size, processes, values))
+            if status in ("error", "init-error"):
+                in_fn = {rank} if status == "error" else set()
+                message = _failure_message(rank, payload, results, world_size, processes, values, in_fn)
+                raise (RankFailure if in_fn else _RendezvousFailure)(message)
             values[rank] = pickle.loads(payload)
         for proc in processes:
             proc.join(KILL_GRACE_S)

@@ -227,6 +227,54 @@ def test_run_ranks_returns_in_rank_order():
     assert run_ranks(lambda rank, world, base: (rank, world, base), 3, 10) == [(0, 3, 10), (1, 3, 10), (2, 3, 10)]
 
 
+def _rendezvous_fails_once(marker, real_init):
+    """An init_process_group whose first call (in whichever rank gets there first) fails like a
+    lost gloo connection; every later call is the real one."""
+    def init(*args, **kwargs):
+        try:
+            marker.touch(exist_ok=False)
+        except FileExistsError:
+            return real_init(*args, **kwargs)
+        raise RuntimeError("Gloo connectFullMesh failed: Connection closed by peer (simulated)")
+    return init
+
+
+def test_run_ranks_retries_a_failed_rendezvous_but_never_a_failing_fn(monkeypatch, tmp_path):
+    import occult.ep.dist as dist_module
+
+    real_init = torch.distributed.init_process_group
+    monkeypatch.setattr(dist_module.dist, "init_process_group",
+                        _rendezvous_fails_once(tmp_path / "failed_once", real_init))
+    calls = tmp_path / "calls"
+
+    def count_and_reduce(rank: int, world: int) -> float:
+        with open(calls, "a") as out:
+            out.write(f"{rank}\n")
+        value = torch.tensor([float(rank + 1)])
+        torch.distributed.all_reduce(value)
+        return value.item()
+
+    assert run_ranks(count_and_reduce, 2, timeout_s=5) == [3.0, 3.0]
+    assert (tmp_path / "failed_once").exists()
+    assert sorted(calls.read_text().split()) == ["0", "1"]          # fn ran once per rank, in the retry
+
+    monkeypatch.setattr(dist_module, "RENDEZVOUS_ATTEMPTS", 1)      # no second attempt: the error names it
+    (tmp_path / "failed_once").unlink()
+    with pytest.raises(RankFailure, match="(?s)rendezvous failed 1 times.*connectFullMesh"):
+        run_ranks(count_and_reduce, 2, timeout_s=5)
+
+    def fails_in_rank_one(rank: int, world: int) -> None:
+        with open(calls, "a") as out:
+            out.write(f"fn{rank}\n")
+        if rank == 1:
+            raise ValueError("rank one gives up")
+
+    monkeypatch.setattr(dist_module.dist, "init_process_group", real_init)
+    with pytest.raises(RankFailure, match="rank one gives up"):
+        run_ranks(fails_in_rank_one, 2, timeout_s=5)
+    assert calls.read_text().split().count("fn1") == 1                # an error of fn is not retried
+
+
 def test_run_in_group_names_a_group_size_that_does_not_match_the_launch(monkeypatch, tmp_path):
     from occult.ep.dist import run_in_group
 
