@@ -89,7 +89,8 @@ OCCULT_OPTIONS = {
     "trivial": "contiguous placement instead of greedy_occult",
     "balanced": f"greedy_occult repaired and swap-searched so that no device holds more than {1 + BALANCE_EPS:g}x "
                 "the mean token-expert pairs of the calibration batch (placement_extra.load_aware_swap)",
-    "compute": "expert compute alone: each GPU's received pairs, dispatched once outside the timing",
+    "compute": "expert compute alone: each GPU's received pairs, dispatched once outside the timing "
+               "(with -graph: replayed from a CUDA graph, so no host time; the simulator's kernel curve)",
 }
 ROUTINGS = ("synthetic", "uniform", "trace")
 REL_TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
@@ -301,7 +302,29 @@ class OccultEP(Method):
             received.x_RD = received.x_RD.detach().clone().requires_grad_(torch.is_grad_enabled())
             received.pair_gate_M = received.pair_gate_M.detach().clone().requires_grad_(torch.is_grad_enabled())
             self._received[key] = received
+        if self.graphed:
+            return self._graphed_compute(key, received)
         return expert_compute(received, self.w_gate_up, self.w_down, self.ops)
+
+    def _graphed_compute(self, key: tuple, received: Any) -> torch.Tensor:
+        """`-compute-graph`: the same kernels on the same received pairs, replayed from a CUDA graph
+        (forward: GraphedForward; train: make_graphed_callables). The graph's inputs are the held
+        rows and gates themselves, so a replay copies nothing."""
+        train = torch.is_grad_enabled()
+        graph = self._graphs.get((train, *key))
+        if graph is None:
+            # one graph per input set (their routings differ), one size at a time: free the others
+            self._graphs = {k: g for k, g in self._graphs.items() if k[:1] + k[2:3] == (train, key[1])}
+            module = _ComputeOnly(self, received)
+            if train:
+                graph = torch.cuda.make_graphed_callables(module, (received.x_RD, received.pair_gate_M))
+            else:
+                from occult.ep.graph import GraphedForward
+
+                forward = GraphedForward(module, received.x_RD, received.pair_gate_M)
+                graph = lambda _x, _gate: forward(*forward.inputs)   # noqa: E731 - inputs held in place
+            self._graphs[(train, *key)] = graph
+        return graph(received.x_RD, received.pair_gate_M)
 
     def traffic(self, ids_TK: torch.Tensor, x_TD: torch.Tensor, weights_TK: torch.Tensor) -> tuple[int, float, int]:
         """(bytes this rank puts on the wire per forward, as `EPStats` counts them: packed rows with
@@ -337,6 +360,23 @@ class _StaticLayer(torch.nn.Module):
         m = self.method
         return ep_moe(x_TD, ids_TK, weights_TK, m.placement, self.w_gate_up, self.w_down, group=m.group,
                       mode="dedup", backend=m.ops, static_capacity=x_TD.shape[0])
+
+
+class _ComputeOnly(torch.nn.Module):
+    """The expert compute on fixed received pairs as a module of (rows, gates), its expert weights
+    as parameters, for the CUDA-graph helpers (`-compute-graph`)."""
+
+    def __init__(self, method: OccultEP, received: Any) -> None:
+        super().__init__()
+        self.method, self.received = method, received
+        self.w_gate_up = torch.nn.Parameter(method.w_gate_up, requires_grad=method.w_gate_up.requires_grad)
+        self.w_down = torch.nn.Parameter(method.w_down, requires_grad=method.w_down.requires_grad)
+
+    def forward(self, x_RD: torch.Tensor, pair_gate_M: torch.Tensor) -> torch.Tensor:
+        from occult.ep.layer import expert_compute
+
+        held = dataclasses.replace(self.received, x_RD=x_RD, pair_gate_M=pair_gate_M)
+        return expert_compute(held, self.w_gate_up, self.w_down, self.method.ops)
 
 
 def prune_routing(logits_TE: torch.Tensor, top_k: int, device_of_expert_E: torch.Tensor,

@@ -305,3 +305,42 @@ def test_host_profile_writes_one_python_profile_per_row(tmp_path):
     text = (prof / "host_prefill_tiny_occult_8.txt").read_text()
     assert text.startswith("# 2 steps, rank 0") and "ep_moe" in text and "tottime" in text
     assert "ep_moe" not in (prof / "host_prefill_tiny_naive_8.txt").read_text()
+
+
+@pytest.mark.gpu
+def test_compute_graph_replays_the_eager_compute_forward_and_backward():
+    """`occult-compute-graph` (the simulator's host-free kernel rows) gives the eager
+    `occult-compute` outputs and row gradients on fresh inputs, every input set its own graph."""
+    from occult.baselines import ExpertWeights
+
+    device, shape = torch.device("cuda"), SHAPES["tiny"]
+    weights = ExpertWeights.random(shape, seed=3, device=device, dtype=torch.bfloat16)
+    placement = torch.zeros(shape.num_experts, dtype=torch.long)
+    methods = {}
+    for name in ("occult-compute", "occult-compute-graph"):
+        methods[name] = sweep.build_method(name, placement, "triton")
+        methods[name].setup(shape, None, torch.bfloat16, device, weights)
+        for p in methods[name].expert_parameters():
+            p.requires_grad_(True)
+    gen = torch.Generator(device=device).manual_seed(4)
+    for train in (False, True):
+        for _ in range(2):                 # two input sets: two graphs side by side
+            tokens = 64
+            x = torch.randn(tokens, shape.hidden, device=device, generator=gen).bfloat16()
+            ids = torch.rand(tokens, shape.num_experts, device=device, generator=gen).topk(shape.top_k, 1).indices
+            gate = torch.rand(tokens, shape.top_k, device=device, generator=gen)
+            got = {}
+            for name, method in methods.items():
+                with torch.set_grad_enabled(train):
+                    for _ in range(3):      # capture, then replays
+                        y = method.forward(x, ids, gate)
+                        if train:
+                            received = method._received[(x.data_ptr(), tuple(x.shape), ids.data_ptr())]
+                            received.x_RD.grad = None
+                            y.float().square().sum().backward()
+                got[name] = (y.detach().clone(), received.x_RD.grad.clone() if train else None)
+            eager, graphed = got["occult-compute"], got["occult-compute-graph"]
+            torch.testing.assert_close(graphed[0], eager[0], atol=0, rtol=0)
+            if train:
+                assert graphed[1].abs().sum() > 0
+                torch.testing.assert_close(graphed[1], eager[1], atol=0, rtol=0)
