@@ -177,7 +177,7 @@ def ep_summary(frame: pd.DataFrame, peak_tflops: float,
     ok = frame[frame["status"] == "ok"].copy()
     passes = ok["kind"].map({"train": 3.0}).fillna(1.0)              # fwd+bwd = 3 GEMM passes
     flops = 2.0 * ok["pairs_received_max"] * 3 * ok["hidden"] * ok["ffn"] * passes
-    compute_only = ok["method"].str.endswith("-compute")
+    compute_only = ok["method"].str.contains(r"-compute(?:-|$)")       # -compute, -compute-graph
     expert_ms = ok["experts_ms"].where(~compute_only, ok["median_ms"])
     ok["expert_tflops"] = flops / expert_ms / 1e9
     ok["pct_of_peak"] = ok["expert_tflops"] / peak_tflops

@@ -16,7 +16,8 @@ def ep_rows(run: str, kind: str = "prefill") -> pd.DataFrame:
             "ffn": 1024, "status": "ok", "bytes_sent": 2 * 2**27, "mean_devices_per_token": 2.0,
             "pairs_received_max": 131072, "max_rel_err": 0.005, "peak_mem_gib": 10.0}
     methods = {"occult": (7.0, 3.0, 3.5, 0.5), "occult-pe": (7.7, 3.0, 3.2, 1.5), "occult-graph": (5.0, None, None, None),
-               "occult-compute": (4.0, None, None, None), "occult-nd1-graph": (4.4, None, None, None)}
+               "occult-compute": (4.0, None, None, None), "occult-nd1-graph": (4.4, None, None, None),
+               "occult-compute-graph": (3.2, None, None, None)}
     return pd.DataFrame([{**base, "method": m, "median_ms": t, "dispatch_ms": d, "experts_ms": e, "combine_ms": c}
                          for m, (t, d, e, c) in methods.items()])
 
@@ -47,6 +48,7 @@ def test_ep_summary_and_targets_by_hand(tmp_path):
     assert summary.loc["occult", "expert_tflops"] == pytest.approx(flops / 3.5 / 1e9)       # experts phase
     assert summary.loc["occult-compute", "expert_tflops"] == pytest.approx(flops / 4.0 / 1e9)   # whole step
     assert summary.loc["occult-compute", "pct_of_peak"] == pytest.approx(flops / 4.0 / 1e9 / 800.0)
+    assert summary.loc["occult-compute-graph", "expert_tflops"] == pytest.approx(flops / 3.2 / 1e9)
     assert summary.loc["occult", "flop_floor_ms"] == pytest.approx(flops / 800.0 / 1e9)
     # remote bytes both ways 2^28 -> buffer each way 2^27 remote * 2 (D=2) = 2^28 per direction.
     expected_comm = 2 * 2**28 / gpu_report.nccl_algbw_gbs(2**28) / 1e6

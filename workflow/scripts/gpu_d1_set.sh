@@ -3,8 +3,9 @@
 # simulate.history; docs/simulator.md), measured on GPU 0 in one call, so that the host terms of
 # all of them come from the same machine start (eager rows move up to 2.4x between starts):
 #   ep_prefill_{uniform,trace}_D1.csv  OLMoE layer without shared expert, 2^10 ... 2^16 tokens:
-#                                      occult, occult-graph and occult-compute (the kernel curve)
-#   ep_train_uniform_D1.csv            fwd+bwd of the expert compute alone, the three shapes
+#                                      occult, occult-graph, occult-compute and occult-compute-graph
+#                                      (the compute replayed from a CUDA graph: the kernel curve)
+#   ep_train_uniform_D1.csv            fwd+bwd of the expert compute alone (eager and replayed), the three shapes
 #   sweep_{prefill,train,decode}_D1.csv  occult, occult-graph and the naive EP, the three shapes
 # Usage: workflow/scripts/gpu_d1_set.sh OUTDIR   (then copy OUTDIR to results/<machine>/sweeps_vN/)
 # TRACE: the routing sample of the trace rows (default: the committed quality_upcycle_v4 sample).
@@ -28,9 +29,9 @@ sweep() {   # NAME, then occult.sweep's arguments
 }
 for routing in uniform trace; do
     sweep "ep_prefill_${routing}_D1" --kind prefill --shapes olmoe --no-shared --routing "$routing" --trace "$trace" \
-        --methods occult occult-graph occult-compute
+        --methods occult occult-graph occult-compute occult-compute-graph
 done
-sweep ep_train_uniform_D1 --kind train --shapes olmoe qwen deepseek --methods occult-compute
+sweep ep_train_uniform_D1 --kind train --shapes olmoe qwen deepseek --methods occult-compute occult-compute-graph
 sweep sweep_prefill_D1 --kind prefill --shapes olmoe qwen deepseek --methods occult occult-graph naive \
     --sizes 1024 4096 16384 65536
 sweep sweep_train_D1 --kind train --shapes olmoe qwen deepseek --methods occult occult-graph naive

@@ -6,7 +6,8 @@
 # pairs per GPU; plus forward+backward at 2^14 tokens, the bf16 matmul peak of the same GPU, and
 # torch.profiler tables with the host syncs of one forward at 2^14 and 64 tokens (occult.ep.profile_gpu).
 # Usage: workflow/scripts/gpu_ep_bench.sh OUTDIR ROUTING_NPZ
-# env: EP_BENCH_AB=0 leaves out the fused-plan A/B; EP_BENCH_ORDER=0 the reversed-order rerun at 2^14; EP_BENCH_PROFILES (default "16384 64"; empty: none): tokens/GPU profiled.
+# env: EP_BENCH_AB=0 leaves out the fused-plan A/B; EP_BENCH_ORDER=0 the reversed-order rerun at 2^14;
+# EP_BENCH_COMPUTE_GRAPH=0 the compute-graph rows; EP_BENCH_PROFILES (default "16384 64"; empty: none): tokens/GPU profiled.
 set -uo pipefail
 out=${1:?usage: gpu_ep_bench.sh OUTDIR ROUTING_NPZ}; trace=${2:?routing_heldout.npz of occult.profiling}
 mkdir -p "$out"
@@ -47,6 +48,17 @@ timeout 180 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind train --sha
   --routing uniform --sizes 32 --methods occult occult-pe occult-static occult-graph occult-nd1 occult-compute \
   --repeats 20 --warmup 5 --timeout-s 120 --out "$out/ep_train_uniform_D${gpus}.csv" 2>&1 \
   | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -10
+if [ "${EP_BENCH_COMPUTE_GRAPH:-1}" = 1 ]; then
+  # host-free kernel rows for the simulator's kernel curves (docs/simulator.md, set v12-D1), in a
+  # process of their own: the first run of occult-compute-graph at D > 1
+  echo "== the expert compute replayed from a CUDA graph, prefill and train ($(date -u +%T))"
+  timeout 180 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind prefill --shapes olmoe --no-shared \
+    --routing uniform --methods occult-compute-graph --repeats 20 --warmup 5 --timeout-s 120 \
+    --out "$out/ep_prefill_uniform_D${gpus}_compute_graph.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -5
+  timeout 120 torchrun --nproc_per_node="$gpus" -m occult.sweep --kind train --shapes olmoe --no-shared \
+    --routing uniform --sizes 32 --methods occult-compute-graph --repeats 20 --warmup 5 --timeout-s 120 \
+    --out "$out/ep_train_uniform_D${gpus}_compute_graph.csv" 2>&1 | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -5
+fi
 for tokens in ${EP_BENCH_PROFILES-16384 64}; do     # where the host time goes: torch.profiler tables and the host syncs of one forward
   echo "== profile ${tokens} tokens/GPU D=$gpus ($(date -u +%T))"
   timeout 180 torchrun --nproc_per_node="$gpus" -m occult.ep.profile_gpu --tokens "$tokens" --repeats 20 \
