@@ -344,15 +344,19 @@ class OccultEP(Method):
         return None
 
 
-class _StaticLayer(torch.nn.Module):
-    """The static-shape layer as a module (its expert weights as parameters) for
-    `torch.cuda.make_graphed_callables`."""
+class _WithExpertWeights(torch.nn.Module):
+    """A module holding an `OccultEP`'s expert weights as parameters (sharing their storage), so
+    that `torch.cuda.make_graphed_callables` computes their gradients in the captured backward."""
 
     def __init__(self, method: OccultEP) -> None:
         super().__init__()
         self.method = method
         self.w_gate_up = torch.nn.Parameter(method.w_gate_up, requires_grad=method.w_gate_up.requires_grad)
         self.w_down = torch.nn.Parameter(method.w_down, requires_grad=method.w_down.requires_grad)
+
+
+class _StaticLayer(_WithExpertWeights):
+    """The static-shape layer as a module for `torch.cuda.make_graphed_callables`."""
 
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         from occult.ep.layer import ep_moe
@@ -362,15 +366,13 @@ class _StaticLayer(torch.nn.Module):
                       mode="dedup", backend=m.ops, static_capacity=x_TD.shape[0])
 
 
-class _ComputeOnly(torch.nn.Module):
-    """The expert compute on fixed received pairs as a module of (rows, gates), its expert weights
-    as parameters, for the CUDA-graph helpers (`-compute-graph`)."""
+class _ComputeOnly(_WithExpertWeights):
+    """The expert compute on fixed received pairs as a module of (rows, gates), for the CUDA-graph
+    helpers (`-compute-graph`)."""
 
     def __init__(self, method: OccultEP, received: Any) -> None:
-        super().__init__()
-        self.method, self.received = method, received
-        self.w_gate_up = torch.nn.Parameter(method.w_gate_up, requires_grad=method.w_gate_up.requires_grad)
-        self.w_down = torch.nn.Parameter(method.w_down, requires_grad=method.w_down.requires_grad)
+        super().__init__(method)
+        self.received = received
 
     def forward(self, x_RD: torch.Tensor, pair_gate_M: torch.Tensor) -> torch.Tensor:
         from occult.ep.layer import expert_compute
