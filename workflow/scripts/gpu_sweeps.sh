@@ -4,7 +4,10 @@
 # SWEEP_DS (default "2 1"): the expert-parallel degrees to run, each ≤ the GPUs present (counted
 #   from CUDA_VISIBLE_DEVICES when it is set).
 # SWEEP_PREFILL_SIZES (default: occult.sweep's 2^10 … 2^16): tokens per GPU of the prefill kind.
-# SWEEP_GROUP_S (default 900): time limit of each group's torchrun.
+# SWEEP_SHAPES (default "olmoe qwen deepseek"): the layer shapes; each (group, shape) runs in a
+#   process of its own, so that a crash (a SIGSEGV at a shape change in results/nvidia-h200/sweeps_v20)
+#   loses that shape's rows only.
+# SWEEP_GROUP_S (default 900): time limit of each process's torchrun.
 # Builds nothing: run workflow/scripts/build_baselines.sh first for MegaBlocks (Tutel: its own
 # install); missing baselines produce rows that say so.
 set -uo pipefail
@@ -22,9 +25,6 @@ for kind in $kinds; do
     [ "$D" -le "$gpus" ] || continue
     parts=()
     for g in 0 1; do
-      part="$out/parts/sweep_${kind}_D${D}_group${g}.csv"
-      mkdir -p "$out/parts"
-      echo "== sweep $kind D=$D methods: ${groups[$g]} ($(date -u +%T))"
       sizes=()
       if [ "$kind" = prefill ]; then
         sizes=(--sizes)
@@ -32,10 +32,15 @@ for kind in $kinds; do
           [ "$g" = 1 ] && [ "$n" -gt 16384 ] || sizes+=("$n")
         done
       fi
-      timeout "${SWEEP_GROUP_S:-900}" torchrun --nproc_per_node="$D" -m occult.sweep --kind "$kind" \
-        --shapes olmoe qwen deepseek --methods ${groups[$g]} "${sizes[@]}" --repeats 20 --warmup 5 --timeout-s 120 \
-        --out "$part" 2>&1 | tee "$part.log" | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -25
-      [ -f "$part" ] && parts+=("$part")
+      for shape in ${SWEEP_SHAPES:-olmoe qwen deepseek}; do
+        part="$out/parts/sweep_${kind}_D${D}_group${g}_${shape}.csv"
+        mkdir -p "$out/parts"
+        echo "== sweep $kind D=$D $shape methods: ${groups[$g]} ($(date -u +%T))"
+        timeout "${SWEEP_GROUP_S:-900}" torchrun --nproc_per_node="$D" -m occult.sweep --kind "$kind" \
+          --shapes "$shape" --methods ${groups[$g]} "${sizes[@]}" --repeats 20 --warmup 5 --timeout-s 120 \
+          --out "$part" 2>&1 | tee "$part.log" | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -25
+        [ -f "$part" ] && parts+=("$part")
+      done
     done
     python3 - "$out/sweep_${kind}_D${D}.csv" "${parts[@]}" <<'PY'
 import shutil, sys
