@@ -419,6 +419,18 @@ class CostModel:
     # fwd+bwd kernels' own curve (forward GFLOP per ms of fwd+bwd time vs the call's forward GFLOP),
     # where the calibration's fwd+bwd `-compute` rows span >= 2 sizes; else the one scale above
     kernel_train_tflops: LogLogCurve | None = None
+    # the same two curves per expert width F, where the calibration's `-compute` rows span >= 2 widths
+    # (a grouped GEMM's rate depends on its tile shapes, not only on its work); other widths use the
+    # pooled curves above
+    kernel_tflops_by_ffn: dict[int, LogLogCurve] = dataclasses.field(default_factory=dict)
+    kernel_train_tflops_by_ffn: dict[int, LogLogCurve] = dataclasses.field(default_factory=dict)
+
+    def kernel_curve(self, ffn: int, train: bool = False) -> LogLogCurve | None:
+        """The Occult kernels' curve for experts of width `ffn`: forward, or fwd+bwd (None where
+        fwd+bwd has no curve of its own and is priced as a scale of the forward)."""
+        if train:
+            return self.kernel_train_tflops_by_ffn.get(ffn, self.kernel_train_tflops)
+        return self.kernel_tflops_by_ffn.get(ffn, self.kernel_tflops)
 
     def host_for(self, family: str, pass_: str, num_devices: int) -> HostTerms | None:
         """The calibrated terms at this D, else at the largest calibrated D below it (documented
@@ -509,10 +521,12 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
             raise SimulateError("simulate.calibration: no occult-compute rows give the kernel throughput")
         # math at the curve's throughput for the call's work, plus the weight reads, which a call with
         # few rows per expert does not hide behind its math (the curve is fitted net of them)
-        if train and cost.kernel_train_tflops is not None:
-            kernels_D = np.array([f / (cost.kernel_train_tflops(g) * 1e12) * 1e3 for f, g in zip(flops_D, gflop_D)])
+        train_curve = cost.kernel_curve(shape.ffn, train=True) if train else None
+        if train_curve is not None:
+            kernels_D = np.array([f / (train_curve(g) * 1e12) * 1e3 for f, g in zip(flops_D, gflop_D)])
         else:
-            kernels_D = np.array([f / (cost.kernel_tflops(g) * 1e12) * 1e3 for f, g in zip(flops_D, gflop_D)])
+            curve = cost.kernel_curve(shape.ffn)
+            kernels_D = np.array([f / (curve(g) * 1e12) * 1e3 for f, g in zip(flops_D, gflop_D)])
             if train:
                 kernels_D = kernels_D * (cost.kernel_train_scale or float("nan"))
         kernels_D = kernels_D + floor_D
@@ -1066,6 +1080,15 @@ def median_curve(samples: Sequence[tuple[float, float]]) -> LogLogCurve:
     return LogLogCurve(xs, np.array([np.median(by_x[x]) for x in xs]), extend="flat")
 
 
+def curves_by_ffn(rows: Sequence[tuple[float, float, MeasuredPoint]]) -> dict[int, LogLogCurve]:
+    """One median curve per expert width among `kernel_rows` output; empty when the rows have a
+    single width (the pooled curve is then the same)."""
+    widths = sorted({p.shape.ffn for _, _, p in rows})
+    if len(widths) < 2:
+        return {}
+    return {f: median_curve([(g, t) for g, t, p in rows if p.shape.ffn == f]) for f in widths}
+
+
 def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
     """Fill the kernel curve, Occult's other GPU work, the naive per-pair cost and the host terms
     from the calibration points only (in that order: each step uses the ones before)."""
@@ -1073,20 +1096,22 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
     # 1. kernels: forward TFLOP/s curve, fwd+bwd scale at the same pairs
     fwd = kernel_rows(calib, "fwd", cost.dense_tflops, cost.hbm_bytes_per_ms)
     if fwd:
-        cost = dataclasses.replace(cost, kernel_tflops=median_curve([(gflop, tflops) for gflop, tflops, _ in fwd]))
+        cost = dataclasses.replace(cost, kernel_tflops=median_curve([(gflop, tflops) for gflop, tflops, _ in fwd]),
+                                   kernel_tflops_by_ffn=curves_by_ffn(fwd))
         train = kernel_rows(calib, "train", cost.dense_tflops, cost.hbm_bytes_per_ms)
         if train:
             scales = []
             for gflop, tflops, p in train:     # fwd+bwd math over forward math at the same call
-                scales.append(cost.kernel_tflops(gflop) / tflops)
+                scales.append(cost.kernel_curve(p.shape.ffn)(gflop) / tflops)
             cost = dataclasses.replace(cost, kernel_train_scale=float(np.median(scales)))
             train_curve = median_curve([(gflop, tflops) for gflop, tflops, _ in train])
             if len(train_curve.x) >= 2:        # sizes apart: the backward's own curve, not one ratio
-                cost = dataclasses.replace(cost, kernel_train_tflops=train_curve)
+                by_ffn = {f: c for f, c in curves_by_ffn(train).items() if len(c.x) >= 2}
+                cost = dataclasses.replace(cost, kernel_train_tflops=train_curve, kernel_train_tflops_by_ffn=by_ffn)
     # 2. Occult's other GPU work, from graph replays (no host time in them)
     if cost.kernel_tflops is not None:
         graphs = [p for p in calib if p.spec.family == "occult-graph" and p.pass_ == "fwd"]
-        measured_range = [p for p in graphs if p.kernel_gflop() >= cost.kernel_tflops.x[0] * (1 - 1e-9)]
+        measured_range = [p for p in graphs if p.kernel_gflop() >= cost.kernel_curve(p.shape.ffn).x[0] * (1 - 1e-9)]
         small = [p for p in graphs if p not in measured_range]
         graphs = measured_range or graphs
         if graphs:
@@ -1342,10 +1367,14 @@ def sweep_points(kinds: Sequence[str], seq_len: int = 512) -> list[tuple[str, in
 
 def cost_summary(cost: CostModel) -> dict[str, Any]:
     """The calibrated parameters, for the sidecar."""
-    curve = cost.kernel_tflops
+    def points(curve: LogLogCurve | None) -> dict[float, float] | None:
+        return dict(zip(curve.x.tolist(), np.round(curve.y, 2).tolist())) if curve is not None else None
+
     return {
-        "kernel_tflops_by_call_gflop": (dict(zip(curve.x.tolist(), np.round(curve.y, 2).tolist()))
-                                             if curve is not None else None),
+        "kernel_tflops_by_call_gflop": points(cost.kernel_tflops),
+        "kernel_train_tflops_by_call_gflop": points(cost.kernel_train_tflops),
+        "kernel_tflops_by_ffn": {f: points(c) for f, c in cost.kernel_tflops_by_ffn.items()},
+        "kernel_train_tflops_by_ffn": {f: points(c) for f, c in cost.kernel_train_tflops_by_ffn.items()},
         "kernel_train_scale": cost.kernel_train_scale,
         "other_gpu": dataclasses.asdict(cost.other_gpu) if cost.other_gpu else None,
         "naive_ns_per_pair_D1": cost.naive_ns_per_pair,

@@ -562,3 +562,34 @@ def test_fwd_bwd_kernels_get_their_own_curve_from_two_or_more_sizes(tmp_path):
     assert two.kernel_train_tflops is not None and len(two.kernel_train_tflops.x) == 2
     # the rest of the error is the trace's busiest-device pairs against the rows' recorded ones
     assert abs(middle_two["rel_err"]) < 0.12 and abs(middle_two["rel_err"]) < abs(middle_one["rel_err"]) / 3
+
+
+def test_kernel_curves_are_per_expert_width_when_the_calibration_has_two_widths(tmp_path):
+    """Compute rows of OLMoE (F = 1024) at 400 TFLOP/s and Qwen (F = 1408) at 200: one curve pooled
+    over both zig-zags between the widths and misses the middle sizes; a curve per width predicts
+    them. With one width the pooled curve is the only one (no per-width entries)."""
+    rate = {"olmoe": 400.0, "qwen": 200.0}
+
+    def run(shapes):
+        rows = []
+        for name in shapes:
+            shape = get_shape(name)
+            for t in (256, 1024, 4096):
+                pairs = t * shape.top_k
+                ms = pairs * 6.0 * shape.hidden * shape.ffn / (rate[name] * 1e12) * 1e3
+                rows.append({"kind": "prefill", "shape": name, "method": "occult-compute", "D": 1, "tokens_per_gpu": t,
+                             "median_ms": ms, "pairs_received_max": pairs, "shared_ffn": 0})
+        path = measured_csv(tmp_path / f"{'_'.join(shapes)}.csv", rows)
+        cfg = settings(shapes=tuple(shapes), measured=(path,), calibration=(f"{path}@tokens_per_gpu=256,4096",),
+                       hbm_gbps=None)
+        traces = {name: ShapeTraces(get_shape(name), cfg.pool_tokens, 0) for name in shapes}
+        table, fitted = validate(cfg, traces, build_cost_model(cfg), read_measured(cfg.measured, cfg.calibration))
+        return table[table["role"] == "validation"].set_index("shape"), fitted
+
+    middle, fitted = run(["olmoe", "qwen"])
+    assert set(fitted.kernel_tflops_by_ffn) == {1024, 1408}
+    assert (middle["rel_err"].abs() < 0.02).all()
+    pooled = dataclasses.replace(fitted, kernel_tflops_by_ffn={})
+    assert fitted.kernel_curve(1024)(1.0) != pooled.kernel_curve(1024)(1.0)     # the pooled one mixes widths
+    one, fitted_one = run(["olmoe"])
+    assert fitted_one.kernel_tflops_by_ffn == {} and abs(one.loc["olmoe", "rel_err"]) < 0.02
