@@ -931,6 +931,8 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
         path = expand_folders(text, folders or {}, f"{field}.measured").partition("@")[0]
         frame = read_table(resolved, MEASURED_COLUMNS, f"{field}.measured")
         frame = frame[(frame["status"] == "ok") & frame["method"].map(is_simulated_method)].copy()
+        if "timing" in frame.columns:   # the model prices a call from a drained GPU (occult.sweep --timing step)
+            frame = frame[frame["timing"].fillna("step") == "step"]
         for name in frame["method"].unique():
             try:
                 method_spec(name)
@@ -938,7 +940,7 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
                 raise SimulateError(f"{field}.measured: {path}: {err}") from None
         frame = frame[[entry.holds(resolved, m, int(t)) for m, t in zip(frame["method"], frame["tokens_per_gpu"])]]
         if frame.empty:
-            raise SimulateError(f"{field}.measured: {text!r} selects no ok Occult / naive row")
+            raise SimulateError(f"{field}.measured: {text!r} selects no ok, step-timed Occult / naive row")
         for column in ("batch", "p10_ms", "p90_ms", "bytes_sent", "mean_devices_per_token", "pairs_received_max",
                        "shared_ffn", "commit"):
             if column not in frame.columns:

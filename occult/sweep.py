@@ -93,6 +93,11 @@ OCCULT_OPTIONS = {
                "(with -graph: replayed from a CUDA graph, so no host time; the simulator's kernel curve)",
 }
 ROUTINGS = ("synthetic", "uniform", "trace")
+# step: the GPU drained before each timed step (one layer call from an idle GPU, host time before
+# its first kernel included); stream: blocks of steps issued back to back, as consecutive layers of a
+# model issue them, so host time hides behind queued GPU work unless a method syncs with the host
+TIMINGS = ("step", "stream")
+STREAM_BLOCKS = 5
 REL_TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 VERSION_PACKAGES = ("torch", "triton", "transformers", "megablocks", "grouped_gemm", "stanford-stk", "tutel", "deepspeed")
@@ -103,7 +108,7 @@ COLUMNS = (
     "machine", "commit", "command", "kind", "shape", "method", "D", "tokens_per_gpu", "batch", "seq_len",
     "dtype", "median_ms", "p10_ms", "p90_ms", "peak_mem_gib", "bytes_sent", "mean_devices_per_token",
     "max_rel_err", "status", "routing", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms", "host_ms",
-    "repeats", "warmup", "timer", "num_experts", "top_k", "hidden", "ffn",
+    "repeats", "warmup", "timer", "timing", "num_experts", "top_k", "hidden", "ffn",
     "shared_ffn", *(f"version_{name.replace('-', '_')}" for name in VERSION_PACKAGES),
 )
 
@@ -136,6 +141,7 @@ class SweepSettings:
     routing: str = "synthetic"
     trace: str = ""
     host_profile: str = ""
+    timing: str = "step"
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -165,6 +171,8 @@ class SweepSettings:
                 raise SweepError(f"{field}: must be at least 1, got {getattr(self, field)}")
         if self.routing not in ROUTINGS:
             raise SweepError(f"routing: {self.routing!r} is not one of {ROUTINGS}")
+        if self.timing not in TIMINGS:
+            raise SweepError(f"timing: {self.timing!r} is not one of {TIMINGS}")
         if self.routing == "trace" and not Path(self.trace).is_file():
             raise SweepError(f"trace: routing=trace needs a routing_*.npz file, got {self.trace!r}")
         if self.warmup < 0:
@@ -683,6 +691,44 @@ def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: tor
     return values[0].tolist()
 
 
+def time_stream(step: Callable[[int], None], steps: int, warmup: int, device: torch.device,
+                world: int, host_times: list[float] | None = None) -> list[float]:
+    """Milliseconds per step of `STREAM_BLOCKS` blocks of `steps` steps issued back to back (the GPU
+    drained, and ranks met, only before each block; max over ranks): the steady rate of consecutive
+    layer calls. `host_times` receives each block's host milliseconds per step."""
+    for i in range(warmup):
+        step(i)
+    times: list[float] = []
+    hosts: list[float] = []
+    for block in range(STREAM_BLOCKS):
+        synchronize(device)
+        if world > 1:
+            dist.barrier()
+        first = warmup + block * steps
+        begin = time.perf_counter()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(first, first + steps):
+                step(i)
+            host = 1e3 * (time.perf_counter() - begin)
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end)
+        else:
+            for i in range(first, first + steps):
+                step(i)
+            elapsed = host = 1e3 * (time.perf_counter() - begin)
+        times.append(elapsed / steps)
+        hosts.append(host / steps)
+    values = torch.tensor([times, hosts], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+    if world > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    if host_times is not None:
+        host_times.extend(values[1].tolist())
+    return values[0].tolist()
+
+
 def profile_host(step: Callable[[int], None], steps: int, device: torch.device, world: int, rank: int,
                  out_txt: Path, top: int = 40) -> None:
     """Run `steps` more steps under cProfile (the GPU drained before each, as in `time_steps`) and
@@ -856,7 +902,7 @@ def _sweep(settings: SweepSettings) -> list[dict[str, Any]]:
         "machine": machine, "commit": git_commit(), "command": settings.command, "kind": settings.kind,
         "D": world, "seq_len": settings.seq_len if settings.kind == "train" else None, "dtype": settings.dtype,
         "repeats": settings.repeats, "warmup": settings.warmup,
-        "timer": "cuda_events" if device.type == "cuda" else "perf_counter",
+        "timer": "cuda_events" if device.type == "cuda" else "perf_counter", "timing": settings.timing,
         **{f"version_{name.replace('-', '_')}": package_version(name) for name in VERSION_PACKAGES},
     }
     meta = provenance(config_hash(dataclasses.asdict(settings)), settings.seed, stage="sweep",
@@ -1002,7 +1048,8 @@ def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method
             synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         host_times: list[float] = []
-        times = time_steps(step, settings.repeats, settings.warmup, device, world, host_times)
+        timer = time_stream if settings.timing == "stream" else time_steps
+        times = timer(step, settings.repeats, settings.warmup, device, world, host_times)
         if settings.host_profile:
             profile_host(step, settings.repeats, device, world, rank, Path(settings.host_profile)
                          / f"host_{settings.kind}_{shape.name}_{name}_{size}.txt")
@@ -1071,6 +1118,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--routing", choices=ROUTINGS, default="synthetic",
                         help="synthetic low-rank router, uniform, or a measured trace (--trace)")
     parser.add_argument("--trace", default="", help="routing_*.npz of occult.profiling (routing=trace)")
+    parser.add_argument("--timing", choices=TIMINGS, default="step",
+                        help="step: the GPU drained before each timed step (default); stream: "
+                             f"{STREAM_BLOCKS} blocks of --repeats steps issued back to back, ms per step")
     parser.add_argument("--host-profile", default="", metavar="DIR",
                         help="after each timed row, profile as many more steps with cProfile into "
                              "DIR/host_<kind>_<shape>_<method>_<size>.txt (rank 0)")
@@ -1100,7 +1150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.repeats, warmup=args.warmup, device=args.device, dtype=args.dtype, seed=args.seed,
         seq_len=args.seq_len, input_sets=args.input_sets, check_tokens=args.check_tokens,
         occult_backend=args.occult_backend, include_shared=not args.no_shared, command=command,
-        routing=args.routing, trace=args.trace, host_profile=args.host_profile,
+        routing=args.routing, trace=args.trace, host_profile=args.host_profile, timing=args.timing,
     )
     settings.validate()
     run_in_group(lambda: _sweep(settings), args.device, world, args.timeout_s, error=SweepError)

@@ -364,7 +364,7 @@ def test_entry_selectors_and_folders_choose_the_rows(tmp_path):
         read_measured([f"{path}@methods=occult-bogus"])
     with pytest.raises(SimulateError, match="listed twice"):
         read_measured([path, f"{path}@methods=naive"])
-    with pytest.raises(SimulateError, match="selects no ok Occult / naive row"):
+    with pytest.raises(SimulateError, match="selects no ok, step-timed Occult / naive row"):
         read_measured([f"{path}@tokens_per_gpu=7"])
 
 

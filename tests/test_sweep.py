@@ -4,6 +4,7 @@ status rows for missing or broken methods, the training kind's gradient check, a
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -344,3 +345,38 @@ def test_compute_graph_replays_the_eager_compute_forward_and_backward():
             if train:
                 assert graphed[1].abs().sum() > 0
                 torch.testing.assert_close(graphed[1], eager[1], atol=0, rtol=0)
+
+
+def test_stream_timing_issues_blocks_of_steps_back_to_back():
+    """`time_stream`: the warm-up steps, then `STREAM_BLOCKS` blocks of `steps` steps in order, one
+    time per block (ms per step), host time per step beside it."""
+    calls: list[int] = []
+
+    def step(i: int) -> None:
+        calls.append(i)
+        time.sleep(0.002)
+
+    hosts: list[float] = []
+    times = sweep.time_stream(step, 4, 2, torch.device("cpu"), 1, hosts)
+    assert calls == list(range(2 + sweep.STREAM_BLOCKS * 4))
+    assert len(times) == len(hosts) == sweep.STREAM_BLOCKS
+    assert all(2.0 <= t < 50.0 for t in times)          # one step, not a block: 2 ms of sleep each
+
+
+def test_stream_timing_rows_say_so_and_the_simulator_skips_them(tmp_path):
+    from occult.simulate import SimulateError, read_measured
+
+    out = tmp_path / "stream.csv"
+
+    def body(rank, world):
+        return sweep.run_sweep("prefill", ["tiny"], ["occult", "naive"], world, [8], out,
+                               repeats=2, warmup=1, device="cpu", dtype="float32", timing="stream")
+
+    run_ranks(body, 2, timeout_s=60)
+    frame = pd.read_csv(out)
+    assert (frame["status"] == "ok").all() and (frame["timing"] == "stream").all()
+    assert (frame["median_ms"] > 0).all()
+    with pytest.raises(SimulateError, match="selects no ok, step-timed"):
+        read_measured([str(out)])
+    with pytest.raises(sweep.SweepError, match="timing: 'burst'"):
+        sweep.run_sweep("prefill", ["tiny"], ["naive"], 1, [8], tmp_path / "x.csv", device="cpu", timing="burst")
