@@ -13,6 +13,9 @@
 set -euo pipefail
 sdist=$(realpath "$1")
 build=${2:-/tmp/occult-baselines}
+# a relative WHEEL_CACHE is taken from where the script was started, not from the build folder
+cache=${WHEEL_CACHE:-}
+if [ -n "$cache" ] && [ -d "$cache" ]; then cache=$(realpath "$cache"); fi
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p "$build"
@@ -35,7 +38,6 @@ for path in glob.glob("megablocks-*/csrc/cumsum.h"):
 PY
 
 start=$SECONDS
-cache=${WHEEL_CACHE:-}
 if [ -n "$cache" ] && ls "$cache"/stanford_stk-*.whl "$cache"/grouped_gemm-*.whl "$cache"/megablocks-*.whl >/dev/null 2>&1; then
   echo "== installing cached wheels from $cache"
   pip_install "$cache"/stanford_stk-*.whl "$cache"/grouped_gemm-*.whl "$cache"/megablocks-*.whl \
