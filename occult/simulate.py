@@ -483,13 +483,27 @@ def weight_read_ms(experts: float, shape: MoEShape, pass_: str, hbm_bytes_per_ms
     return experts * expert_weight_bytes(shape, ffn) * WEIGHT_PASSES[pass_] / hbm_bytes_per_ms
 
 
+def shared_elementwise_bytes(shape: MoEShape, tokens_per_gpu: float, elem_bytes: int = 2) -> float:
+    """HBM bytes of the shared expert's unfused element-wise passes in one forward (occult.sweep's
+    `SharedExpert`, torch ops): silu of the gate half (read, write) and its product with the up half
+    (two reads, a write) over [T, shared_ffn]; the sigmoid gate's product (read, write) and the sum
+    into the layer output (two reads, a write) over [T, d]."""
+    if not shape.shared_ffn:
+        return 0.0
+    per_token = 5.0 * shape.shared_ffn + (2.0 if shape.shared_gate else 0.0) * shape.hidden + 3.0 * shape.hidden
+    return per_token * tokens_per_gpu * elem_bytes
+
+
 def shared_expert_ms(shape: MoEShape, tokens_per_gpu: float, pass_: str, dense_tflops: float,
                      hbm_bytes_per_ms: float = math.inf) -> float:
-    """The shared expert(s): a dense SwiGLU of width `shared_ffn` on every local token (FLOPs, or
-    its weight reads where they take longer)."""
-    flops = 2.0 * 3.0 * shape.hidden * shape.shared_ffn * tokens_per_gpu * (3.0 if pass_ == "train" else 1.0)
+    """The shared expert(s): a dense SwiGLU of width `shared_ffn` on every local token: its GEMMs'
+    FLOPs (or their weight reads where those take longer) plus its element-wise passes over HBM
+    (x 3 in fwd+bwd, as the GEMMs)."""
+    passes = 3.0 if pass_ == "train" else 1.0
+    flops = 2.0 * 3.0 * shape.hidden * shape.shared_ffn * tokens_per_gpu * passes
     floor = weight_read_ms(1.0, shape, pass_, hbm_bytes_per_ms, shape.shared_ffn) if shape.shared_ffn else 0.0
-    return max(flops / (dense_tflops * 1e12) * 1e3, floor)
+    elementwise = shared_elementwise_bytes(shape, tokens_per_gpu) * passes / hbm_bytes_per_ms
+    return max(flops / (dense_tflops * 1e12) * 1e3, floor) + elementwise
 
 
 def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: str, cost: CostModel,

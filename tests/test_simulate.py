@@ -7,6 +7,7 @@ import dataclasses
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
 from occult.baselines import get_shape
 from occult.config import SimulateConfig
@@ -30,6 +31,8 @@ from occult.simulate import (
     read_measured,
     recorded_traffic,
     run_simulate,
+    shared_elementwise_bytes,
+    shared_expert_ms,
     simulate_point,
     static_traffic,
     traffic,
@@ -593,3 +596,45 @@ def test_kernel_curves_are_per_expert_width_when_the_calibration_has_two_widths(
     assert fitted.kernel_curve(1024)(1.0) != pooled.kernel_curve(1024)(1.0)     # the pooled one mixes widths
     one, fitted_one = run(["olmoe"])
     assert fitted_one.kernel_tflops_by_ffn == {} and abs(one.loc["olmoe", "rel_err"]) < 0.02
+
+
+def test_shared_expert_elementwise_bytes_match_the_sweeps_shared_expert():
+    """The model's element-wise HBM bytes of the shared expert equal what the sweep's `SharedExpert`
+    (and the step's `y + shared(x)`) reads and writes in its non-GEMM ops, counted under a dispatch
+    mode on the CPU; the term adds bytes / HBM rate to the shared expert's time (x 3 in fwd+bwd)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from occult.sweep import SharedExpert
+
+    gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default,
+             torch.ops.aten.t.default, torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
+             torch.ops.aten._unsafe_view.default, torch.ops.aten.expand.default}
+
+    class ElementwiseBytes(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func not in gemms:
+                tensors = [a for a in args if isinstance(a, torch.Tensor)] + [out]
+                ElementwiseBytes.total += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    tokens = 16
+    for name in ("tiny-shared", "tiny"):
+        shape = get_shape(name)
+        if not shape.shared_ffn:
+            assert shared_elementwise_bytes(shape, tokens) == 0.0
+            continue
+        module = SharedExpert(shape, 0, torch.device("cpu"), torch.bfloat16)
+        x, y = torch.randn(tokens, shape.hidden, dtype=torch.bfloat16), torch.randn(tokens, shape.hidden, dtype=torch.bfloat16)
+        with torch.no_grad(), ElementwiseBytes():
+            _ = y + module(x)
+        # the [T, 1] sigmoid gate's own reads and writes are the only bytes the model leaves out
+        assert ElementwiseBytes.total - shared_elementwise_bytes(shape, tokens) == 3 * tokens * 2
+    qwen = get_shape("qwen")
+    hbm = 4300e9 / 1e3
+    extra = shared_expert_ms(qwen, 16384, "fwd", 755, hbm) - max(
+        2 * 3 * qwen.hidden * qwen.shared_ffn * 16384 / 755e12 * 1e3, 0.0)
+    assert extra == pytest.approx(shared_elementwise_bytes(qwen, 16384) / hbm)
+    assert shared_expert_ms(qwen, 16384, "train", 755, hbm) == pytest.approx(3 * shared_expert_ms(qwen, 16384, "fwd", 755, hbm))
