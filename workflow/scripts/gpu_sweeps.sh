@@ -8,6 +8,7 @@
 #   process of its own, so that a crash (a SIGSEGV at a shape change in results/nvidia-h200/sweeps_v20)
 #   loses that shape's rows only.
 # SWEEP_GROUP_S (default 900): time limit of each process's torchrun.
+# SWEEP_TIMING (default step): occult.sweep --timing (step: from a drained GPU; stream: back to back).
 # Builds nothing: run workflow/scripts/build_baselines.sh first for MegaBlocks (Tutel: its own
 # install); missing baselines produce rows that say so.
 set -uo pipefail
@@ -37,7 +38,7 @@ for kind in $kinds; do
         mkdir -p "$out/parts"
         echo "== sweep $kind D=$D $shape methods: ${groups[$g]} ($(date -u +%T))"
         timeout "${SWEEP_GROUP_S:-900}" torchrun --nproc_per_node="$D" -m occult.sweep --kind "$kind" \
-          --shapes "$shape" --methods ${groups[$g]} "${sizes[@]}" --repeats 20 --warmup 5 --timeout-s 120 \
+          --timing "${SWEEP_TIMING:-step}" --shapes "$shape" --methods ${groups[$g]} "${sizes[@]}" --repeats 20 --warmup 5 --timeout-s 120 \
           --out "$part" 2>&1 | tee "$part.log" | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -25
         [ -f "$part" ] && parts+=("$part")
       done
