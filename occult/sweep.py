@@ -656,39 +656,53 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: torch.device,
-               world: int, host_times: list[float] | None = None) -> list[float]:
-    """Milliseconds of each timed step (after `warmup`), max over ranks. If `host_times` is given,
-    it receives each timed step's host milliseconds: from the call until it returns, so a sync
-    inside the call counts, the GPU work still queued at its return does not (max over ranks)."""
+def _run_blocks(step: Callable[[int], None], blocks: Sequence[range], device: torch.device,
+                world: int) -> tuple[list[float], list[float]]:
+    """Per block: the GPU drained and the ranks met, then its steps issued back to back; returns each
+    block's milliseconds per step (CUDA events; `perf_counter` on the CPU) and host milliseconds per
+    step (from the first call until the last returns: a sync inside a step counts, GPU work still
+    queued at the end does not)."""
     times: list[float] = []
     hosts: list[float] = []
-    for i in range(warmup + steps):
+    for block in blocks:
         synchronize(device)
         if world > 1:
             dist.barrier()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            begin = time.perf_counter()
+        begin = time.perf_counter()
+        for i in block:
             step(i)
-            host = 1e3 * (time.perf_counter() - begin)
+        host = 1e3 * (time.perf_counter() - begin)
+        if device.type == "cuda":
             end.record()
             end.synchronize()
             elapsed = start.elapsed_time(end)
         else:
-            begin = time.perf_counter()
-            step(i)
-            elapsed = host = 1e3 * (time.perf_counter() - begin)
-        if i >= warmup:
-            times.append(elapsed)
-            hosts.append(host)
+            elapsed = host
+        times.append(elapsed / len(block))
+        hosts.append(host / len(block))
+    return times, hosts
+
+
+def _max_over_ranks(times: list[float], hosts: list[float], device: torch.device, world: int,
+                    host_times: list[float] | None) -> list[float]:
     values = torch.tensor([times, hosts], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     if world > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     if host_times is not None:
         host_times.extend(values[1].tolist())
     return values[0].tolist()
+
+
+def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: torch.device,
+               world: int, host_times: list[float] | None = None) -> list[float]:
+    """Milliseconds of each timed step (after `warmup`), the GPU drained before every step, max over
+    ranks. If `host_times` is given, it receives each timed step's host milliseconds (max over ranks)."""
+    _run_blocks(step, [range(i, i + 1) for i in range(warmup)], device, world)
+    times, hosts = _run_blocks(step, [range(i, i + 1) for i in range(warmup, warmup + steps)], device, world)
+    return _max_over_ranks(times, hosts, device, world, host_times)
 
 
 def time_stream(step: Callable[[int], None], steps: int, warmup: int, device: torch.device,
@@ -698,35 +712,9 @@ def time_stream(step: Callable[[int], None], steps: int, warmup: int, device: to
     layer calls. `host_times` receives each block's host milliseconds per step."""
     for i in range(warmup):
         step(i)
-    times: list[float] = []
-    hosts: list[float] = []
-    for block in range(STREAM_BLOCKS):
-        synchronize(device)
-        if world > 1:
-            dist.barrier()
-        first = warmup + block * steps
-        begin = time.perf_counter()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for i in range(first, first + steps):
-                step(i)
-            host = 1e3 * (time.perf_counter() - begin)
-            end.record()
-            end.synchronize()
-            elapsed = start.elapsed_time(end)
-        else:
-            for i in range(first, first + steps):
-                step(i)
-            elapsed = host = 1e3 * (time.perf_counter() - begin)
-        times.append(elapsed / steps)
-        hosts.append(host / steps)
-    values = torch.tensor([times, hosts], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
-    if world > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    if host_times is not None:
-        host_times.extend(values[1].tolist())
-    return values[0].tolist()
+    blocks = [range(warmup + b * steps, warmup + (b + 1) * steps) for b in range(STREAM_BLOCKS)]
+    times, hosts = _run_blocks(step, blocks, device, world)
+    return _max_over_ranks(times, hosts, device, world, host_times)
 
 
 def profile_host(step: Callable[[int], None], steps: int, device: torch.device, world: int, rank: int,
