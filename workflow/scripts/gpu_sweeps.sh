@@ -44,12 +44,20 @@ for kind in $kinds; do
       done
     done
     python3 - "$out/sweep_${kind}_D${D}.csv" "${parts[@]}" <<'PY'
-import shutil, sys
+import json, sys
 import pandas as pd
 out, parts = sys.argv[1], sys.argv[2:]
 if parts:
     pd.concat([pd.read_csv(p) for p in parts], ignore_index=True).to_csv(out, index=False)
-    shutil.copy(parts[0] + ".meta.json", out + ".meta.json")
+    metas = [json.load(open(p + ".meta.json")) for p in parts]
+    merged = {**metas[0], "parts": [{"file": p.rsplit("/", 1)[-1], "created": m.get("created"),
+                                     "shapes": m["settings"]["shapes"], "methods": m["settings"]["methods"]}
+                                    for p, m in zip(parts, metas)]}
+    merged["settings"] = {**metas[0]["settings"],
+                          "shapes": list(dict.fromkeys(s for m in metas for s in m["settings"]["shapes"])),
+                          "methods": list(dict.fromkeys(x for m in metas for x in m["settings"]["methods"]))}
+    with open(out + ".meta.json", "w") as fh:
+        json.dump(merged, fh, indent=2)
 PY
   done
 done
