@@ -1077,7 +1077,7 @@ def kernel_rows(points: Sequence[MeasuredPoint], pass_: str, dense_tflops: float
         pairs = float(p.row.pairs_received_max)
         if not np.isfinite(pairs):
             pairs = float(np.mean([t.pairs_in_D.max() for t in p.chunks]))
-        ms = p.measured_ms - shared_expert_ms(p.shape, float(p.row.tokens_per_gpu), pass_, dense_tflops)
+        ms = p.measured_ms - shared_expert_ms(p.shape, float(p.row.tokens_per_gpu), pass_, dense_tflops, hbm_bytes_per_ms)
         ms -= point_weight_ms(p, pass_, hbm_bytes_per_ms)
         if ms <= 0:
             raise SimulateError(f"simulate.calibration: {p.row.source}: {p.row.method} at {p.row.tokens_per_gpu} "

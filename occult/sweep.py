@@ -321,8 +321,9 @@ class OccultEP(Method):
         train = torch.is_grad_enabled()
         graph = self._graphs.get((train, *key))
         if graph is None:
-            # one graph per input set (their routings differ), one size at a time: free the others
-            self._graphs = {k: g for k, g in self._graphs.items() if k[:1] + k[2:3] == (train, key[1])}
+            # one graph per input set (their routings differ), one (pass, size) at a time: free the others
+            # (a graph's key is (train, x pointer, x shape, ids pointer))
+            self._graphs = {k: g for k, g in self._graphs.items() if (k[0], k[2]) == (train, key[1])}
             module = _ComputeOnly(self, received)
             if train:
                 graph = torch.cuda.make_graphed_callables(module, (received.x_RD, received.pair_gate_M))

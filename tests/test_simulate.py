@@ -26,7 +26,9 @@ from occult.simulate import (
     design_alltoall_curve,
     fit_host,
     host_terms,
+    kernel_rows,
     layer_time,
+    measured_points,
     method_spec,
     read_measured,
     recorded_traffic,
@@ -37,6 +39,7 @@ from occult.simulate import (
     static_traffic,
     traffic,
     validate,
+    weight_read_ms,
     wire_row_bytes,
 )
 
@@ -638,3 +641,25 @@ def test_shared_expert_elementwise_bytes_match_the_sweeps_shared_expert():
         2 * 3 * qwen.hidden * qwen.shared_ffn * 16384 / 755e12 * 1e3, 0.0)
     assert extra == pytest.approx(shared_elementwise_bytes(qwen, 16384) / hbm)
     assert shared_expert_ms(qwen, 16384, "train", 755, hbm) == pytest.approx(3 * shared_expert_ms(qwen, 16384, "fwd", 755, hbm))
+
+
+def test_kernel_curve_is_net_of_the_whole_shared_expert_model(tmp_path):
+    """`-compute` rows that include a shared expert calibrate the kernel curve net of the same
+    shared-expert time the layer is priced with (GEMMs and element-wise passes), so a measured rate
+    comes back unchanged."""
+    shape = get_shape("tiny-shared")          # 8 experts: all active at these sizes
+    hbm = 4300e9 / 1e3
+    rows = []
+    for t in (256, 1024, 4096):
+        pairs = t * shape.top_k
+        ms = (pairs * 6.0 * shape.hidden * shape.ffn / 3e12 * 1e3 + shared_expert_ms(shape, t, "fwd", 760, hbm)
+              + weight_read_ms(shape.num_experts, shape, "fwd", hbm))      # every expert is active here
+        rows.append({"kind": "prefill", "shape": "tiny-shared", "method": "occult-compute", "D": 1, "tokens_per_gpu": t,
+                     "median_ms": ms, "pairs_received_max": pairs})
+    path = measured_csv(tmp_path / "c.csv", rows)
+    cfg = settings(shapes=("tiny-shared",), measured=(path,), calibration=(path,), hbm_gbps=4300)
+    cost = build_cost_model(cfg)
+    traces = {"tiny-shared": ShapeTraces(shape, cfg.pool_tokens, 0)}
+    points, _ = measured_points(read_measured(cfg.measured, cfg.calibration), traces)
+    fitted = kernel_rows(points, "fwd", cost.dense_tflops, cost.hbm_bytes_per_ms)
+    assert [round(t, 6) for _, t, _ in fitted] == [3, 3, 3]
