@@ -422,12 +422,14 @@ def check_grouped_args(op: str, pair_row_M: torch.Tensor, expert_offsets: torch.
 
 @triton.jit
 def _swiglu_fwd_tile(
-    x_ptr, row_ptr, w_ptr, w_desc, expert, start, end, pid_n, D, F,
+    x_ptr, row_ptr, w_ptr, w_desc, x_desc, expert, start, end, pid_n, D, F,
     stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
     TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_TMA: tl.constexpr,
 ):
-    """Gate and up accumulators [BLOCK_M, BLOCK_N] of one output tile (fp32)."""
+    """Gate and up accumulators [BLOCK_M, BLOCK_N] of one output tile (fp32). With X_TMA, x is
+    already in pair order and its tile comes through `x_desc` (rows past the tile's end are the next
+    expert's or zeros past the last pair, never stored)."""
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
     rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
@@ -440,7 +442,9 @@ def _swiglu_fwd_tile(
         # loads need a mask only for a K tail.
         gate_row = expert * 2 * F + pid_n * BLOCK_N
         for k0 in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC_K):
-            if EVEN_K:
+            if X_TMA:
+                a = x_desc.load([start.to(tl.int32), k0])
+            elif EVEN_K:
                 a = tl.load(a_ptrs)
             else:
                 a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
@@ -491,9 +495,10 @@ def _swiglu_fwd_kernel(
     stride_xr, stride_xd, stride_we, stride_wf, stride_wd, stride_hm, stride_hf, stride_pm, stride_pf,
     SAVE_PREACT: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    WARP_SPEC: tl.constexpr = 0, PERSISTENT: tl.constexpr = False,
+    WARP_SPEC: tl.constexpr = 0, PERSISTENT: tl.constexpr = False, X_TMA: tl.constexpr = 0,
 ):
     # One tile per program, or PERSISTENT: a loop over tiles; WARP_SPEC as in `_down_fwd_kernel`.
+    # X_TMA (needs TMA): x_ptr holds x gathered in pair order ([M, D]), loaded through a descriptor.
     num_pid_n = tl.cdiv(F, BLOCK_N)
     if TMA:
         # W viewed as [E*2F, D]; gate rows of a tile at e*2F + n, up rows F further. Columns past
@@ -502,6 +507,11 @@ def _swiglu_fwd_kernel(
                                            block_shape=[BLOCK_N, BLOCK_K])
     else:
         w_desc = w_ptr         # unused
+    if X_TMA:
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, D], strides=[stride_xr, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+    else:
+        x_desc = x_ptr         # unused
     if PERSISTENT:
         lo, hi, tiles_start, tiles_end, num_pid_m = persistent_schedule(offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
         programs = tl.num_programs(0)
@@ -510,9 +520,9 @@ def _swiglu_fwd_kernel(
                              warp_specialize=WARP_SPEC == 2):
             expert, start, end, pid_n = tile_at(tile, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE,
                                                 BLOCK_M, EXPERTS_P2)
-            acc_g, acc_u = _swiglu_fwd_tile(x_ptr, row_ptr, w_ptr, w_desc, expert, start, end, pid_n, D, F,
+            acc_g, acc_u = _swiglu_fwd_tile(x_ptr, row_ptr, w_ptr, w_desc, x_desc, expert, start, end, pid_n, D, F,
                                             stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
-                                            TMA, EVEN_K, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_K)
+                                            TMA, EVEN_K, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_K, X_TMA)
             tile_out += programs
             _, start, end, pid_n = tile_at(tile_out, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE,
                                            BLOCK_M, EXPERTS_P2)
@@ -522,9 +532,9 @@ def _swiglu_fwd_kernel(
         pid_m, pid_n = swizzle_tiles(tl.program_id(0), tl.cdiv(M, BLOCK_M) + num_experts, num_pid_n, GROUP_SIZE)
         expert, start, end = expert_tile(pid_m, offsets_ptr, num_experts, BLOCK_M, EXPERTS_P2)
         if expert < num_experts:
-            acc_g, acc_u = _swiglu_fwd_tile(x_ptr, row_ptr, w_ptr, w_desc, expert, start, end, pid_n, D, F,
+            acc_g, acc_u = _swiglu_fwd_tile(x_ptr, row_ptr, w_ptr, w_desc, x_desc, expert, start, end, pid_n, D, F,
                                             stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
-                                            TMA, EVEN_K, PRECISION, WARP_SPEC == 1, BLOCK_M, BLOCK_N, BLOCK_K)
+                                            TMA, EVEN_K, PRECISION, WARP_SPEC == 1, BLOCK_M, BLOCK_N, BLOCK_K, X_TMA)
             _swiglu_fwd_store(acc_g, acc_u, h_ptr, pre_ptr, start, end, pid_n, F, stride_hm, stride_hf, stride_pm,
                               stride_pf, SAVE_PREACT, BLOCK_M, BLOCK_N)
 
@@ -828,12 +838,14 @@ def grouped_swiglu_forward(
         preact_M2F.zero_()
         return h_MF.zero_(), preact_M2F
     pre = preact_M2F if save_preact else h_MF     # a placeholder pointer when not saving
+    tma = use_tma(w_gate_up_E2FD)
+    x_operand = _pair_order_x_operand(_swiglu_fwd_kernel, x_RD, pair_row_M, num_pairs, (hidden, ffn), tma)
     args = (
-        x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, h_MF, pre,
+        x_operand, pair_row_M, expert_offsets, w_gate_up_E2FD, h_MF, pre,
         num_pairs, hidden, ffn, num_experts,
-        *x_RD.stride(), *w_gate_up_E2FD.stride(), *h_MF.stride(), *pre.stride(),
+        *x_operand.stride(), *w_gate_up_E2FD.stride(), *h_MF.stride(), *pre.stride(),
     )
-    consts = dict(SAVE_PREACT=save_preact, TMA=use_tma(w_gate_up_E2FD), EVEN_K=hidden % MAX_BLOCK_K == 0,
+    consts = dict(SAVE_PREACT=save_preact, TMA=tma, EVEN_K=hidden % MAX_BLOCK_K == 0,
                   PRECISION=dot_precision(x_RD.dtype),
                   GROUP_SIZE=GROUP_M, EXPERTS_P2=next_pow2(num_experts))
 
@@ -924,7 +936,7 @@ def grouped_swiglu_backward(
         else:
             dw_E2FD = torch.empty(num_experts, two_f, hidden, dtype=w_gate_up_E2FD.dtype, device=x_RD.device)
             tma = ready and use_tma(preact_M2F)
-            x_operand = _swiglu_dw_x_operand(x_RD, pair_row_M, num_pairs, measured_shape, tma)
+            x_operand = _pair_order_x_operand(_swiglu_bwd_dw_kernel, x_RD, pair_row_M, num_pairs, measured_shape, tma)
             args = (
                 dh_MF, preact_M2F, x_operand, pair_row_M, expert_offsets, dw_E2FD,
                 hidden, ffn,
@@ -957,12 +969,13 @@ def gathered_operand_wanted(kernel, dtype: torch.dtype, num_pairs: int, shape: t
     return bool(meta.get("X_TMA"))
 
 
-def _swiglu_dw_x_operand(x_RD: torch.Tensor, pair_row_M: torch.Tensor, num_pairs: int,
-                         shape: tuple[int, int] | None, tma: bool) -> torch.Tensor:
-    """The x operand of the SwiGLU dW GEMM: x_RD itself (rows gathered in the K loop), or, for a
-    config with X_TMA, x gathered once in pair order ([M, D], one extra write and read of M·D
-    elements) so that the K loop loads it through a descriptor."""
-    if not gathered_operand_wanted(_swiglu_bwd_dw_kernel, x_RD.dtype, num_pairs, shape, x_RD.device, tma,
+def _pair_order_x_operand(kernel, x_RD: torch.Tensor, pair_row_M: torch.Tensor, num_pairs: int,
+                          shape: tuple[int, int] | None, tma: bool) -> torch.Tensor:
+    """The x operand of a SwiGLU GEMM that reads x by pair (the forward, the dW): x_RD itself
+    (rows gathered in the K loop), or, for a config of `kernel` with X_TMA, x gathered once in pair
+    order ([M, D], one extra write and read of M·D elements) so that the K loop loads it through a
+    descriptor."""
+    if not gathered_operand_wanted(kernel, x_RD.dtype, num_pairs, shape, x_RD.device, tma,
                                    x_RD.shape[1] * x_RD.element_size()):
         return x_RD
     # rows of a padded plan's pairs past the last expert are never read back; clamped, they are

@@ -206,6 +206,47 @@ def test_persistent_forward_matches_reference(case, tma, poisoned_empty):
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["tile_per_program", "persistent"])
+@pytest.mark.parametrize("case", ["npow2", "empty_experts", "hot_expert", "one_row"])
+def test_forward_with_x_in_pair_order_matches_reference(case, persistent):
+    """The forward's X_TMA option (x gathered once in pair order, its tiles loaded through a
+    descriptor) gives the reference h, and saves the pre-activations the backward needs (checked
+    through dx and dW); rows of a padded plan past the last expert, with out-of-range row ids, are
+    gathered clamped and never change the real pairs' output. bf16 on a GPU, fp32 in the interpreter."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    on_gpu = DEVICE == "cuda"
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    x, pair_row, offsets, w = make_case(case, dtype, seed=11)
+    x.requires_grad_()
+    w.requires_grad_()
+    blocks = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3} if on_gpu else \
+        {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+    meta = {**blocks, "X_TMA": 1, **({"PERSISTENT": 1} if persistent else {})}
+    n = pair_row.numel()
+    row_pad = torch.cat([pair_row, torch.tensor([-1, 10**6, 0], dtype=pair_row.dtype, device=pair_row.device)])
+    with module.forced_gemm_meta("_swiglu_fwd_kernel", meta):
+        h = grouped_swiglu(x, pair_row, offsets, w)
+        h_pad, _ = module.grouped_swiglu_forward(x.detach(), row_pad, offsets, w.detach(), False)
+    grad_out = torch.randn(h.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    dx, dw = torch.autograd.grad(h, (x, w), grad_out)
+    h_ref, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, grad_out)
+    for got, want in ((h, h_ref), (h_pad[:n], h_ref), (dx, dx_ref), (dw, dw_ref)):
+        if on_gpu:
+            assert _rel_err(got, want) <= 1e-2
+        else:
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_forward_x_in_pair_order_needs_descriptors():
+    """X_TMA in the forward needs descriptor operands: with them switched off the launcher says so."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    x, pair_row, offsets, w = make_case("npow2", torch.float32)
+    with module.tma_disabled(), module.forced_gemm_meta(
+            "_swiglu_fwd_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "X_TMA": 1}):
+        with pytest.raises(ValueError, match="_swiglu_fwd_kernel: config .* needs descriptor operands"):
+            module.grouped_swiglu_forward(x, pair_row, offsets, w, False)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["tile_per_program", "persistent"])
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
 def test_backward_dx_operand_paths_match_reference(tma, persistent, bwd_mode, poisoned_empty):
     """dx with F = 128 (a multiple of every BLOCK_K): in the materialised mode the dx GEMM loads
