@@ -112,6 +112,8 @@ GROUP_M = 8
 # 128x128x64 pin) -> 1.08/1.12 (same tiles) -> 0.99/1.04 (128x256x64 w8 s3, pinned); F = 1408
 # (results/nvidia-h200/tune_v8, A B C D twice): autotuned 1.66, pointers 128x128x64 w8 s4 1.69/1.67
 # -> X_TMA 1.10/1.13 (same tiles, pinned; 128x256x64 w8 s3 1.12/1.13, 64x128x32 w4 s5 1.53/1.54).
+# The forward SwiGLU with X_TMA lost (results/nvidia-h200/tune_v9: 2.09-2.60 ms against the pin's
+# 1.98-1.99 at F = 1024 and 1408, gather included; the layer 4-7% slower): not pinned.
 TUNED_GEMM_META: Mapping[tuple[str, int, int, int, bool], Mapping[str, int]] = MappingProxyType({
     ("_swiglu_fwd_kernel", 9, 2048, 1024, False): MappingProxyType(
         {"BLOCK_M": 256, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}),
