@@ -428,10 +428,13 @@ def _swiglu_fwd_tile(
     stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
     TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, WARP_SPEC_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, X_TMA: tl.constexpr,
+    ONE_ACC: tl.constexpr,
 ):
     """Gate and up accumulators [BLOCK_M, BLOCK_N] of one output tile (fp32). With X_TMA, x is
     already in pair order and its tile comes through `x_desc` (rows past the tile's end are the next
-    expert's or zeros past the last pair, never stored)."""
+    expert's or zeros past the last pair, never stored). With ONE_ACC, `w_desc` views W as
+    [E, 2, F, D] and one load brings a tile's gate and up rows: one [BLOCK_M, 2·BLOCK_N] product per
+    K step, split into gate and up after the loop."""
     offs_m = start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
     rows = tl.load(row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
@@ -439,7 +442,20 @@ def _swiglu_fwd_tile(
     a_ptrs = x_ptr + rows[:, None] * stride_xr + offs_k[None, :] * stride_xd
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if TMA:
+    if ONE_ACC:
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k0 in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC_K):
+            if X_TMA:
+                a = x_desc.load([start.to(tl.int32), k0])
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
+            b = tl.reshape(w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K))
+            acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K * stride_xd
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    elif TMA:
         # Rows past the tile's end gather row 0 (valid memory) and are never stored, so the A
         # loads need a mask only for a K tail.
         gate_row = expert * 2 * F + pid_n * BLOCK_N
@@ -498,11 +514,18 @@ def _swiglu_fwd_kernel(
     SAVE_PREACT: tl.constexpr, TMA: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     GROUP_SIZE: tl.constexpr, EXPERTS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WARP_SPEC: tl.constexpr = 0, PERSISTENT: tl.constexpr = False, X_TMA: tl.constexpr = 0,
+    ONE_ACC: tl.constexpr = 0,
 ):
     # One tile per program, or PERSISTENT: a loop over tiles; WARP_SPEC as in `_down_fwd_kernel`.
     # X_TMA (needs TMA): x_ptr holds x gathered in pair order ([M, D]), loaded through a descriptor.
+    # ONE_ACC (needs TMA): one accumulator over a tile's gate and up columns (`_swiglu_fwd_tile`).
     num_pid_n = tl.cdiv(F, BLOCK_N)
-    if TMA:
+    if ONE_ACC:
+        # W viewed as [E, 2, F, D]: rows past F of either half read zeros
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts, 2, F, D],
+                                           strides=[stride_we, F * stride_wf, stride_wf, 1],
+                                           block_shape=[1, 2, BLOCK_N, BLOCK_K])
+    elif TMA:
         # W viewed as [E*2F, D]; gate rows of a tile at e*2F + n, up rows F further. Columns past
         # D read zeros; rows past the expert's F are other weights, in masked-out columns.
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[num_experts * 2 * F, D], strides=[stride_wf, 1],
@@ -524,7 +547,7 @@ def _swiglu_fwd_kernel(
                                                 BLOCK_M, EXPERTS_P2)
             acc_g, acc_u = _swiglu_fwd_tile(x_ptr, row_ptr, w_ptr, w_desc, x_desc, expert, start, end, pid_n, D, F,
                                             stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
-                                            TMA, EVEN_K, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_K, X_TMA)
+                                            TMA, EVEN_K, PRECISION, False, BLOCK_M, BLOCK_N, BLOCK_K, X_TMA, ONE_ACC)
             tile_out += programs
             _, start, end, pid_n = tile_at(tile_out, lo, hi, tiles_start, tiles_end, num_pid_m, num_pid_n, GROUP_SIZE,
                                            BLOCK_M, EXPERTS_P2)
@@ -536,7 +559,8 @@ def _swiglu_fwd_kernel(
         if expert < num_experts:
             acc_g, acc_u = _swiglu_fwd_tile(x_ptr, row_ptr, w_ptr, w_desc, x_desc, expert, start, end, pid_n, D, F,
                                             stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
-                                            TMA, EVEN_K, PRECISION, WARP_SPEC == 1, BLOCK_M, BLOCK_N, BLOCK_K, X_TMA)
+                                            TMA, EVEN_K, PRECISION, WARP_SPEC == 1, BLOCK_M, BLOCK_N, BLOCK_K, X_TMA,
+                                            ONE_ACC)
             _swiglu_fwd_store(acc_g, acc_u, h_ptr, pre_ptr, start, end, pid_n, F, stride_hm, stride_hf, stride_pm,
                               stride_pf, SAVE_PREACT, BLOCK_M, BLOCK_N)
 

@@ -205,13 +205,17 @@ def test_persistent_forward_matches_reference(case, tma, poisoned_empty):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("options", [{"X_TMA": 1}, {"ONE_ACC": 1}, {"X_TMA": 1, "ONE_ACC": 1}],
+                         ids=["x_tma", "one_acc", "x_tma+one_acc"])
 @pytest.mark.parametrize("persistent", [False, True], ids=["tile_per_program", "persistent"])
 @pytest.mark.parametrize("case", ["npow2", "empty_experts", "hot_expert", "one_row"])
-def test_forward_with_x_in_pair_order_matches_reference(case, persistent):
-    """The forward's X_TMA option (x gathered once in pair order, its tiles loaded through a
-    descriptor) gives the reference h, and saves the pre-activations the backward needs (checked
-    through dx and dW); rows of a padded plan past the last expert, with out-of-range row ids, are
-    gathered clamped and never change the real pairs' output. bf16 on a GPU, fp32 in the interpreter."""
+def test_forward_descriptor_options_match_reference(case, persistent, options):
+    """The forward's descriptor options give the reference h and save the pre-activations the
+    backward needs (checked through dx and dW): X_TMA (x gathered once in pair order, its tiles
+    loaded through a descriptor; rows of a padded plan past the last expert, with out-of-range row
+    ids, are gathered clamped and never change the real pairs' output) and ONE_ACC (a tile's gate
+    and up rows in one load, one accumulator split after the K loop; F = 40 and 16 leave rows past F
+    in the last N tile). bf16 on a GPU, fp32 in the interpreter."""
     module = importlib.import_module("occult.kernels.grouped_swiglu")
     on_gpu = DEVICE == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -220,7 +224,7 @@ def test_forward_with_x_in_pair_order_matches_reference(case, persistent):
     w.requires_grad_()
     blocks = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3} if on_gpu else \
         {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
-    meta = {**blocks, "X_TMA": 1, **({"PERSISTENT": 1} if persistent else {})}
+    meta = {**blocks, **options, **({"PERSISTENT": 1} if persistent else {})}
     n = pair_row.numel()
     row_pad = torch.cat([pair_row, torch.tensor([-1, 10**6, 0], dtype=pair_row.dtype, device=pair_row.device)])
     with module.forced_gemm_meta("_swiglu_fwd_kernel", meta):
@@ -236,12 +240,13 @@ def test_forward_with_x_in_pair_order_matches_reference(case, persistent):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_forward_x_in_pair_order_needs_descriptors():
-    """X_TMA in the forward needs descriptor operands: with them switched off the launcher says so."""
+@pytest.mark.parametrize("option", ["X_TMA", "ONE_ACC"])
+def test_forward_descriptor_options_need_descriptors(option):
+    """X_TMA / ONE_ACC in the forward need descriptor operands: with them switched off the launcher says so."""
     module = importlib.import_module("occult.kernels.grouped_swiglu")
     x, pair_row, offsets, w = make_case("npow2", torch.float32)
     with module.tma_disabled(), module.forced_gemm_meta(
-            "_swiglu_fwd_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "X_TMA": 1}):
+            "_swiglu_fwd_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, option: 1}):
         with pytest.raises(ValueError, match="_swiglu_fwd_kernel: config .* needs descriptor operands"):
             module.grouped_swiglu_forward(x, pair_row, offsets, w, False)
 
