@@ -328,6 +328,23 @@ def test_bf16_on_gpu_autotuned_shape(bwd_mode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ffn", [1024, 1408])
+def test_pinned_configs_at_the_measured_shapes_on_gpu(ffn):
+    """The pinned GEMM configs of TUNED_GEMM_META (D = 2048, F = 1024 and 1408) launch at their own
+    shape (checked through LAST_LAUNCH_META) and give the fp32 reference's h, dx and dW in bf16."""
+    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    gen = torch.Generator().manual_seed(ffn)
+    rows, hidden, experts, top_k = 2048, 2048, 64, 6          # 12,288 pairs > AUTOTUNE_MIN_PAIRS
+    routing = [torch.randperm(experts, generator=gen)[:top_k].tolist() for _ in range(rows)]
+    pair_row, offsets = pairs_from_rows(routing, experts)
+    x = torch.randn(rows, hidden, generator=gen).cuda().bfloat16()
+    w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).cuda().bfloat16()
+    _check_bf16(x, pair_row.cuda(), offsets.cuda(), w)
+    pinned = module.TUNED_GEMM_META[("_swiglu_fwd_kernel", 9, hidden, ffn, True)]
+    assert module.LAST_LAUNCH_META["_swiglu_fwd_kernel"] is pinned
+
+
+@pytest.mark.gpu
 def test_descriptor_kernels_replay_from_a_cuda_graph():
     """The device-side tensor descriptors take scratch from torch's allocator at launch: captured
     in a CUDA graph (as `occult.ep.graph` captures the layer), the forward SwiGLU and down GEMMs

@@ -141,13 +141,14 @@ def test_measured_configs_are_pinned_only_for_their_shape_dtype_size_and_archite
     down = "_down_fwd_kernel"
     assert meta(torch.bfloat16, many, down, (2048, 1024), cuda, True) is swiglu_module.TUNED_GEMM_META[(down, 9, 2048, 1024, True)]
     assert meta(torch.bfloat16, many, down, (2048, 1024), cuda) is None                 # pointer path: autotune
-    # F = 1408 (Qwen1.5-MoE, DeepSeek-MoE): the down forward and both dW pins; the rest autotunes
+    # F = 1408 (Qwen1.5-MoE, DeepSeek-MoE): both forward and both dW pins; the rest autotunes
     dw = "_swiglu_bwd_dw_kernel"
     down_dw = "_down_bwd_dw_kernel"
     assert meta(torch.bfloat16, many, down_dw, (2048, 1408), cuda, True)["X_TMA"] == 1
     assert meta(torch.bfloat16, many, down, (2048, 1408), cuda, True) is swiglu_module.TUNED_GEMM_META[(down, 9, 2048, 1408, True)]
     assert meta(torch.bfloat16, many, dw, (2048, 1408), cuda, True) is swiglu_module.TUNED_GEMM_META[(dw, 9, 2048, 1408, True)]
-    assert meta(torch.bfloat16, many, fwd, (2048, 1408), cuda, True) is None
+    assert meta(torch.bfloat16, many, fwd, (2048, 1408), cuda, True)["ONE_ACC"] == 1
+    assert meta(torch.bfloat16, many, fwd, (2048, 1408), cuda) is None                  # pointer path: autotune
     assert meta(torch.bfloat16, many, dw, (2048, 1408), cuda) is None                   # pointer path: autotune
     capability[0] = (8, 0)
     assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is None
