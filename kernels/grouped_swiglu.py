@@ -429,6 +429,20 @@ def check_grouped_args(op: str, pair_row_M: torch.Tensor, expert_offsets: torch.
 
 
 @triton.jit
+def _swiglu_fwd_a_tile(x_desc, a_ptrs, start, k0, offs_k, D, X_TMA: tl.constexpr, EVEN_K: tl.constexpr):
+    """The forward's A tile at K offset k0 on the descriptor paths: through `x_desc` (X_TMA), or
+    gathered by pointer with a mask only for a K tail (rows past the tile's end gather row 0,
+    valid memory, and are never stored)."""
+    if X_TMA:
+        a = x_desc.load([start.to(tl.int32), k0])
+    elif EVEN_K:
+        a = tl.load(a_ptrs)
+    else:
+        a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
+    return a
+
+
+@triton.jit
 def _swiglu_fwd_tile(
     x_ptr, row_ptr, w_ptr, w_desc, x_desc, expert, start, end, pid_n, D, F,
     stride_xr, stride_xd, stride_we, stride_wf, stride_wd,
@@ -451,27 +465,15 @@ def _swiglu_fwd_tile(
     if ONE_ACC:
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC_K):
-            if X_TMA:
-                a = x_desc.load([start.to(tl.int32), k0])
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
+            a = _swiglu_fwd_a_tile(x_desc, a_ptrs, start, k0, offs_k, D, X_TMA, EVEN_K)
             b = tl.reshape(w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k0]), (2 * BLOCK_N, BLOCK_K))
             acc = tl.dot(a, b.T, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_xd
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     elif TMA:
-        # Rows past the tile's end gather row 0 (valid memory) and are never stored, so the A
-        # loads need a mask only for a K tail.
         gate_row = expert * 2 * F + pid_n * BLOCK_N
         for k0 in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC_K):
-            if X_TMA:
-                a = x_desc.load([start.to(tl.int32), k0])
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=(offs_k < D - k0)[None, :], other=0.0)
+            a = _swiglu_fwd_a_tile(x_desc, a_ptrs, start, k0, offs_k, D, X_TMA, EVEN_K)
             acc_g = tl.dot(a, w_desc.load([gate_row, k0]).T, acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, w_desc.load([gate_row + F, k0]).T, acc_u, input_precision=PRECISION)
             a_ptrs += BLOCK_K * stride_xd
