@@ -113,7 +113,7 @@ GROUP_M = 8
 # (results/nvidia-h200/tune_v8, A B C D twice): autotuned 1.66, pointers 128x128x64 w8 s4 1.69/1.67
 # -> X_TMA 1.10/1.13 (same tiles, pinned; 128x256x64 w8 s3 1.12/1.13, 64x128x32 w4 s5 1.53/1.54).
 # The forward SwiGLU with X_TMA lost (results/nvidia-h200/tune_v9: 2.09-2.60 ms against the pin's
-# 1.98-1.99 at F = 1024 and 1408, gather included; the layer 4-7% slower): not pinned.
+# 1.98-1.99 at F = 1024 and 1408, gather included; the layer 2-11% slower): not pinned.
 # The forward SwiGLU with one accumulator over a tile's gate and up rows (ONE_ACC, W viewed as
 # [E, 2, F, D]; results/nvidia-h200/tune_v10, interleaved, two passes): F = 1024 1.89/1.93 ms against
 # 2.00/2.01 for the WARP_SPEC pin, F = 1408 1.99/2.00 against 2.12/2.10 (and the autotuner's 2.09);
