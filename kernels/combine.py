@@ -28,6 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+if not __name__.startswith("occult.kernels."):
+    # every op module imports this one: a copy under another name (`kernels.*` with the repository root
+    # on sys.path) would register the torch custom ops a second time (kernels/__init__.py)
+    raise ImportError(f"{__name__}: the kernels register torch custom ops once; import them as occult.kernels")
+
 
 def interpreting() -> bool:
     """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
