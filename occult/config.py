@@ -127,6 +127,7 @@ class SimulateConfig:
     hbm_gbps: float | None = None       # HBM bandwidth: floor of the kernels' weight reads (None: no floor)
     folders: dict = dataclasses.field(default_factory=dict)   # name -> folder, written `$name` in entries
     history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
+    shared_ab: tuple = ()               # ([file with shared experts, file without], ...): the shared expert's cost
 
     def expand(self, text: str, field: str) -> str:
         """`text` with every `$name` replaced by `folders[name]`."""
@@ -146,6 +147,7 @@ class SimulateConfig:
             field = "simulate.measured" if name == "current" else f"simulate.history.{name}.measured"
             files += [self.expand(text, field).partition("@")[0] for text in measured]
         files += [p for p in (self.alltoall_csv, self.gemm_csv) if p]
+        files += [self.expand(str(text), "simulate.shared_ab") for pair in self.shared_ab for text in pair]
         return list(dict.fromkeys(files))
 
 

@@ -424,6 +424,14 @@ class CostModel:
     # pooled curves above
     kernel_tflops_by_ffn: dict[int, LogLogCurve] = dataclasses.field(default_factory=dict)
     kernel_train_tflops_by_ffn: dict[int, LogLogCurve] = dataclasses.field(default_factory=dict)
+    # pass -> the shared expert's measured time over `shared_expert_ms` at scale 1 (`shared_scales`;
+    # a pass without A/B rows: 1)
+    shared_scale: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def shared_ms(self, shape: MoEShape, tokens_per_gpu: float, pass_: str) -> float:
+        """The shared expert(s) of `shape` at this size and pass, as the layer is priced."""
+        return shared_expert_ms(shape, tokens_per_gpu, pass_, self.dense_tflops, self.hbm_bytes_per_ms,
+                                self.shared_scale.get(pass_, 1.0))
 
     def kernel_curve(self, ffn: int, train: bool = False) -> LogLogCurve | None:
         """The Occult kernels' curve for experts of width `ffn`: forward, or fwd+bwd (None where
@@ -495,15 +503,16 @@ def shared_elementwise_bytes(shape: MoEShape, tokens_per_gpu: float, elem_bytes:
 
 
 def shared_expert_ms(shape: MoEShape, tokens_per_gpu: float, pass_: str, dense_tflops: float,
-                     hbm_bytes_per_ms: float = math.inf) -> float:
+                     hbm_bytes_per_ms: float = math.inf, scale: float = 1.0) -> float:
     """The shared expert(s): a dense SwiGLU of width `shared_ffn` on every local token: its GEMMs'
     FLOPs (or their weight reads where those take longer) plus its element-wise passes over HBM
-    (x 3 in fwd+bwd, as the GEMMs)."""
+    (x 3 in fwd+bwd, as the GEMMs), times `scale` (the module's measured time over this count,
+    `shared_scales`)."""
     passes = 3.0 if pass_ == "train" else 1.0
     flops = 2.0 * 3.0 * shape.hidden * shape.shared_ffn * tokens_per_gpu * passes
     floor = weight_read_ms(1.0, shape, pass_, hbm_bytes_per_ms, shape.shared_ffn) if shape.shared_ffn else 0.0
     elementwise = shared_elementwise_bytes(shape, tokens_per_gpu) * passes / hbm_bytes_per_ms
-    return max(flops / (dense_tflops * 1e12) * 1e3, floor) + elementwise
+    return scale * (max(flops / (dense_tflops * 1e12) * 1e3, floor) + elementwise)
 
 
 def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: str, cost: CostModel,
@@ -553,7 +562,7 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
         if spec.family == "occult-compute":
             other_D = np.zeros_like(kernels_D)
     busiest = int(np.argmax(kernels_D + other_D))
-    shared_ms = shared_expert_ms(shape, tokens_per_gpu, pass_, cost.dense_tflops, cost.hbm_bytes_per_ms)
+    shared_ms = cost.shared_ms(shape, tokens_per_gpu, pass_)
     comm = 0.0
     if spec.family != "occult-compute":
         link = cost.link
@@ -980,6 +989,56 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
 # (c) Calibration and validation
 
 
+SHARED_AB_COLUMNS = ("kind", "shape", "method", "D", "tokens_per_gpu", "median_ms", "status", "shared_ffn")
+SHARED_AB_METHOD = "occult-graph"      # graph replays: GPU time only, no host time in the difference
+SHARED_AB_MIN_TOKENS = 4096            # smaller calls are a latency-bound chain of small kernels
+
+
+def shared_scales(pairs: Sequence[Sequence[str]], dense_tflops: float, hbm_bytes_per_ms: float,
+                  folders: dict | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The shared expert's measured time over its modelled time, per pass (median over points).
+
+    Each pair is (file with the shapes' shared experts, file without): the same `occult-graph`
+    rows of the same run, so their difference is what the shared expert adds. Points: rows of
+    ≥ `SHARED_AB_MIN_TOKENS` tokens/GPU found in both files, medians over the files that hold them.
+    Also returns the points (for the sidecar)."""
+    import pandas as pd
+
+    from occult.config import expand_folders
+
+    key = ["kind", "shape", "D", "tokens_per_gpu"]
+    frames: dict[str, list] = {"shared": [], "noshared": []}
+    for i, pair in enumerate(pairs):
+        field = f"simulate.shared_ab[{i}]"
+        if isinstance(pair, (str, bytes)) or len(pair) != 2:
+            raise SimulateError(f"{field}: expected [file with shared experts, file without], got {pair!r}")
+        for role, text in zip(("shared", "noshared"), pair):
+            path = expand_folders(str(text), folders or {}, field)
+            frame = read_table(path, SHARED_AB_COLUMNS, field)
+            frame = frame[(frame["method"] == SHARED_AB_METHOD) & (frame["status"] == "ok")
+                          & (frame["tokens_per_gpu"] >= SHARED_AB_MIN_TOKENS)]
+            has_shared = frame["shared_ffn"] > 0
+            if frame.empty or (has_shared.all() if role == "noshared" else not has_shared.all()):
+                raise SimulateError(f"{field}: {path} has no {SHARED_AB_METHOD} rows of >= {SHARED_AB_MIN_TOKENS} "
+                                    f"tokens/GPU {'with' if role == 'shared' else 'without'} shared experts")
+            frames[role].append(frame)
+    shared = pd.concat(frames["shared"]).groupby(key)["median_ms"].median()
+    plain = pd.concat(frames["noshared"]).groupby(key)["median_ms"].median()
+    both = pd.concat([shared.rename("shared_ms"), plain.rename("noshared_ms")], axis=1, join="inner").reset_index()
+    if both.empty:
+        raise SimulateError("simulate.shared_ab: no (kind, shape, D, tokens/GPU) is measured both with and without "
+                            "the shared experts")
+    points = []
+    for row in both.itertuples(index=False):
+        pass_ = pass_of(row.kind)
+        modelled = shared_expert_ms(get_shape(row.shape), float(row.tokens_per_gpu), pass_, dense_tflops, hbm_bytes_per_ms)
+        points.append({"pass": pass_, "shape": row.shape, "D": int(row.D), "tokens_per_gpu": int(row.tokens_per_gpu),
+                       "measured_ms": row.shared_ms - row.noshared_ms, "modelled_ms": modelled,
+                       "ratio": (row.shared_ms - row.noshared_ms) / modelled})
+    scales = {p: float(np.median([q["ratio"] for q in points if q["pass"] == p])) for p in sorted({q["pass"] for q in points})}
+    return scales, points
+
+
 def build_cost_model(settings: Any) -> CostModel:
     """The measured curves (all-to-all, grouped GEMM, dense peak); kernels and host terms come from
     `calibrate`."""
@@ -990,8 +1049,11 @@ def build_cost_model(settings: Any) -> CostModel:
         inter_node_latency_ms=settings.inter_node_latency_us * 1e-3,
     )
     hbm = getattr(settings, "hbm_gbps", None)
+    hbm_bytes_per_ms = math.inf if hbm is None else hbm * 1e9 / 1e3
+    pairs = getattr(settings, "shared_ab", ())
+    scale = shared_scales(pairs, settings.dense_tflops, hbm_bytes_per_ms, getattr(settings, "folders", {}))[0] if pairs else {}
     return CostModel(link, None, None, grouped_gemm_curves(settings.gemm_csv, settings.gemm_min_rows_per_expert),
-                     settings.dense_tflops, hbm_bytes_per_ms=math.inf if hbm is None else hbm * 1e9 / 1e3)
+                     settings.dense_tflops, hbm_bytes_per_ms=hbm_bytes_per_ms, shared_scale=scale)
 
 
 @dataclass
@@ -1065,8 +1127,7 @@ def point_weight_ms(p: "MeasuredPoint", pass_: str, hbm_bytes_per_ms: float) -> 
     return weight_read_ms(float(np.mean(active)), p.shape, pass_, hbm_bytes_per_ms)
 
 
-def kernel_rows(points: Sequence[MeasuredPoint], pass_: str, dense_tflops: float,
-                hbm_bytes_per_ms: float = math.inf) -> list[tuple[float, float, MeasuredPoint]]:
+def kernel_rows(points: Sequence[MeasuredPoint], pass_: str, cost: CostModel) -> list[tuple[float, float, MeasuredPoint]]:
     """(forward GFLOP of the call, TFLOP/s of its math, point) of the calibration `-compute` rows of
     a pass, from the busiest rank's recorded pairs (the trace's when the row has none); the math is
     the measured time less the shared expert and the experts' weight reads."""
@@ -1077,8 +1138,8 @@ def kernel_rows(points: Sequence[MeasuredPoint], pass_: str, dense_tflops: float
         pairs = float(p.row.pairs_received_max)
         if not np.isfinite(pairs):
             pairs = float(np.mean([t.pairs_in_D.max() for t in p.chunks]))
-        ms = p.measured_ms - shared_expert_ms(p.shape, float(p.row.tokens_per_gpu), pass_, dense_tflops, hbm_bytes_per_ms)
-        ms -= point_weight_ms(p, pass_, hbm_bytes_per_ms)
+        ms = p.measured_ms - cost.shared_ms(p.shape, float(p.row.tokens_per_gpu), pass_)
+        ms -= point_weight_ms(p, pass_, cost.hbm_bytes_per_ms)
         if ms <= 0:
             raise SimulateError(f"simulate.calibration: {p.row.source}: {p.row.method} at {p.row.tokens_per_gpu} "
                                 "tokens/GPU is faster than its experts' weight reads (hbm_gbps too low?)")
@@ -1110,11 +1171,11 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
     from the calibration points only (in that order: each step uses the ones before)."""
     calib = [p for p in points if p.row.role == "calibration"]
     # 1. kernels: forward TFLOP/s curve, fwd+bwd scale at the same pairs
-    fwd = kernel_rows(calib, "fwd", cost.dense_tflops, cost.hbm_bytes_per_ms)
+    fwd = kernel_rows(calib, "fwd", cost)
     if fwd:
         cost = dataclasses.replace(cost, kernel_tflops=median_curve([(gflop, tflops) for gflop, tflops, _ in fwd]),
                                    kernel_tflops_by_ffn=curves_by_ffn(fwd))
-        train = kernel_rows(calib, "train", cost.dense_tflops, cost.hbm_bytes_per_ms)
+        train = kernel_rows(calib, "train", cost)
         if train:
             scales = []
             for gflop, tflops, p in train:     # fwd+bwd math over forward math at the same call
@@ -1396,6 +1457,7 @@ def cost_summary(cost: CostModel) -> dict[str, Any]:
         "naive_ns_per_pair_D1": cost.naive_ns_per_pair,
         "per_expert_other_gpu_ns_per_row": cost.pe_per_row_ns,
         "kernel_floor_ms": cost.kernel_floor_ms,
+        "shared_expert_scale_by_pass": cost.shared_scale or None,
         "hbm_gbps": cost.hbm_bytes_per_ms * 1e3 / 1e9 if math.isfinite(cost.hbm_bytes_per_ms) else None,
         "naive_bytes_factor_D_gt_1": NAIVE_BYTES_EP / NAIVE_BYTES_D1,
         "host": {f"{f}/{p}/D={d}": dataclasses.asdict(h) for (f, p, d), h in sorted(cost.host.items())},

@@ -23,6 +23,7 @@ from occult.simulate import (
     SimulateError,
     alltoall_curves,
     build_cost_model,
+    cost_summary,
     design_alltoall_curve,
     fit_host,
     host_terms,
@@ -35,6 +36,7 @@ from occult.simulate import (
     run_simulate,
     shared_elementwise_bytes,
     shared_expert_ms,
+    shared_scales,
     simulate_point,
     static_traffic,
     traffic,
@@ -392,6 +394,11 @@ def test_config_folders_point_every_entry_at_one_run(tmp_path):
     raw["simulate"]["history"] = [{"name": "current", "measured": ["a.csv"], "calibration": []}]
     with pytest.raises(ConfigError, match="simulate.history: set names"):
         load_config(raw)
+    assert any(f.startswith(cfg.simulate.folders["v15"]) and "noshared" in f for f in files)     # shared_ab files
+    raw = yaml.safe_load(open("config/config.yaml"))
+    raw["simulate"]["shared_ab"] = [["a.csv", "b.csv", "c.csv"]]
+    with pytest.raises(ConfigError, match="simulate.shared_ab"):
+        load_config(raw)
 
 
 def test_weights_set_a_floor_under_small_batches():
@@ -661,5 +668,53 @@ def test_kernel_curve_is_net_of_the_whole_shared_expert_model(tmp_path):
     cost = build_cost_model(cfg)
     traces = {"tiny-shared": ShapeTraces(shape, cfg.pool_tokens, 0)}
     points, _ = measured_points(read_measured(cfg.measured, cfg.calibration), traces)
-    fitted = kernel_rows(points, "fwd", cost.dense_tflops, cost.hbm_bytes_per_ms)
+    fitted = kernel_rows(points, "fwd", cost)
     assert [round(t, 6) for _, t, _ in fitted] == [3, 3, 3]
+
+
+def shared_ab_files(tmp_path, scale: dict[str, float], name: str = "ab") -> list[str]:
+    """A graph-replay A/B of the qwen shape: with its shared expert each row is the same MoE time plus
+    `scale[pass]` x the modelled shared expert; rows below the A/B size floor are off by 10x."""
+    shape = get_shape("qwen")
+    hbm = 4300e9 / 1e3
+    files = []
+    for shared in (True, False):
+        rows = []
+        for kind, pass_, sizes in (("prefill", "fwd", (1024, 4096, 16384)), ("train", "train", (1024, 4096, 8192))):
+            for t in sizes:
+                extra = shared_expert_ms(shape, t, pass_, 760, hbm) * (scale[pass_] if t >= 4096 else 10.0)
+                for method in ("occult-graph", "occult"):        # eager rows carry host time: not read
+                    rows.append({"kind": kind, "shape": "qwen", "method": method, "D": 1, "tokens_per_gpu": t,
+                                 "median_ms": 1.0 + t / 1e4 + (extra if shared else 0.0) + (0.5 if method == "occult" else 0),
+                                 "shared_ffn": shape.shared_ffn if shared else 0})
+        files.append(measured_csv(tmp_path / f"{name}_{'shared' if shared else 'noshared'}.csv", rows))
+    return files
+
+
+def test_shared_expert_scale_is_measured_from_graph_replay_ab_rows(tmp_path):
+    """The A/B difference of graph replays over the modelled shared expert, per pass, from the
+    GPU-bound sizes only; the layer and the kernel curve's net rows are priced with it."""
+    pair = shared_ab_files(tmp_path, {"fwd": 1.25, "train": 1.4})
+    scales, points = shared_scales([pair], 760, 4300e9 / 1e3)
+    assert scales == pytest.approx({"fwd": 1.25, "train": 1.4})
+    assert sorted({p["tokens_per_gpu"] for p in points}) == [4096, 8192, 16384]
+    cfg = settings(dense_tflops=760, hbm_gbps=4300, shared_ab=(tuple(pair),))
+    cost = build_cost_model(cfg)
+    shape = get_shape("qwen")
+    assert cost.shared_ms(shape, 4096, "train") == pytest.approx(1.4 * shared_expert_ms(shape, 4096, "train", 760, 4300e9 / 1e3))
+    assert cost_summary(cost)["shared_expert_scale_by_pass"] == pytest.approx({"fwd": 1.25, "train": 1.4})
+    assert build_cost_model(settings()).shared_ms(shape, 4096, "fwd") == shared_expert_ms(shape, 4096, "fwd", 760)
+
+
+def test_bad_shared_ab_inputs_are_named(tmp_path):
+    shared, plain = shared_ab_files(tmp_path, {"fwd": 1.0, "train": 1.0})
+    with pytest.raises(SimulateError, match=r"shared_ab\[0\]: .*ab_shared.csv has no occult-graph rows .* without"):
+        shared_scales([[shared, shared]], 760, 4300e9 / 1e3)
+    with pytest.raises(SimulateError, match=r"shared_ab\[1\]: expected \[file with shared experts, file without\]"):
+        shared_scales([[shared, plain], [shared]], 760, 4300e9 / 1e3)
+    other = pd.read_csv(plain).assign(shape="deepseek")
+    other.to_csv(tmp_path / "other.csv", index=False)
+    with pytest.raises(SimulateError, match="no .* is measured both with and without"):
+        shared_scales([[shared, str(tmp_path / "other.csv")]], 760, 4300e9 / 1e3)
+    with pytest.raises(SimulateError, match=r"shared_ab\[0\]: .*nowhere.csv does not exist"):
+        shared_scales([[str(tmp_path / "nowhere.csv"), plain]], 760, 4300e9 / 1e3)
