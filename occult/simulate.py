@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 import types
@@ -80,7 +81,8 @@ NAIVE_BYTES_D1, NAIVE_BYTES_EP = 30.0, 38.0
 MEASURED_COLUMNS = ("kind", "shape", "method", "D", "tokens_per_gpu", "median_ms", "status")
 ALLTOALL_COLUMNS = ("D", "pattern", "bytes_remote_per_rank", "median_ms")
 GEMM_COLUMNS = ("shape", "experts", "hidden", "ffn", "rows_per_expert", "pass", "tflops")   # pass: fwd | fwd+bwd
-COMPONENTS = ("kernels_ms", "other_gpu_ms", "comm_ms", "shared_ms", "gpu_ms", "host_pre_ms", "host_post_ms")
+COMPONENTS = ("kernels_ms", "other_gpu_ms", "comm_ms", "shared_ms", "gpu_ms", "host_pre_ms", "host_post_ms",
+              "host_shared_ms")
 VALIDATION_COLUMNS = (
     "role", "kind", "shape", "method", "family", "routing", "D", "tokens_per_gpu", "batch", "measured_ms",
     "p10_ms", "p90_ms", "predicted_ms", "rel_err", "within_tolerance", "bound", *COMPONENTS,
@@ -427,6 +429,12 @@ class CostModel:
     # pass -> the shared expert's measured time over `shared_expert_ms` at scale 1 (`shared_scales`;
     # a pass without A/B rows: 1)
     shared_scale: dict[str, float] = dataclasses.field(default_factory=dict)
+    # pass -> host ms per op the shared expert launches (`shared_host_per_launch`; none measured: 0)
+    shared_host_per_launch_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def shared_host_ms(self, shape: MoEShape, pass_: str) -> float:
+        """Host time of launching the shared expert(s) of `shape` eagerly (after the layer's sync)."""
+        return shared_launches(shape, pass_) * self.shared_host_per_launch_ms.get(pass_, 0.0)
 
     def shared_ms(self, shape: MoEShape, tokens_per_gpu: float, pass_: str) -> float:
         """The shared expert(s) of `shape` at this size and pass, as the layer is priced."""
@@ -579,27 +587,33 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
     return parts
 
 
-def layer_time(gpu_ms: float, spec: MethodSpec, pass_: str, num_devices: int, cost: CostModel) -> dict[str, float]:
-    """`t = pre + max(post, G)` for eager layers, `t = G` for graph replay and kernels alone."""
+def layer_time(gpu_ms: float, spec: MethodSpec, pass_: str, num_devices: int, cost: CostModel,
+               shared_host_ms: float = 0.0) -> dict[str, float]:
+    """`t = pre + max(post + S, G)` for eager layers (S: launching the shared expert, which the
+    sweep runs eagerly after the layer), `t = G` for graph replay and kernels alone."""
     if spec.family in ("occult-graph", "occult-compute"):
-        return {"host_pre_ms": 0.0, "host_post_ms": 0.0, "layer_ms": gpu_ms}
+        return {"host_pre_ms": 0.0, "host_post_ms": 0.0, "host_shared_ms": 0.0, "layer_ms": gpu_ms}
     host = cost.host_for(spec.family, pass_, num_devices)
     if host is None:
-        return {"host_pre_ms": float("nan"), "host_post_ms": float("nan"), "layer_ms": float("nan")}
-    return {"host_pre_ms": host.pre_ms, "host_post_ms": host.post_ms,
-            "layer_ms": host.pre_ms + max(host.post_ms, gpu_ms)}
+        return {"host_pre_ms": float("nan"), "host_post_ms": float("nan"), "host_shared_ms": float("nan"),
+                "layer_ms": float("nan")}
+    return {"host_pre_ms": host.pre_ms, "host_post_ms": host.post_ms, "host_shared_ms": shared_host_ms,
+            "layer_ms": host.pre_ms + max(host.post_ms + shared_host_ms, gpu_ms)}
 
 
-def fit_host(gpu_ms: np.ndarray, measured_ms: np.ndarray) -> tuple[float, float, float]:
-    """(pre, post, mean squared relative error) of `pre + max(post, G)` ≥ 0 against `measured_ms`,
-    by grid search (coarse 20 µs, then 2 µs around the best). Ties go to the smallest terms."""
+def fit_host(gpu_ms: np.ndarray, measured_ms: np.ndarray, shared_host_ms: np.ndarray | None = None
+             ) -> tuple[float, float, float]:
+    """(pre, post, mean squared relative error) of `pre + max(post + S, G)` ≥ 0 against `measured_ms`
+    (S: each point's shared-expert launches, known; default 0), by grid search (coarse 20 µs, then
+    2 µs around the best). Ties go to the smallest terms."""
     gpu_ms, measured_ms = np.asarray(gpu_ms, float), np.asarray(measured_ms, float)
+    offset = np.zeros_like(gpu_ms) if shared_host_ms is None else np.asarray(shared_host_ms, float)
     top = float(measured_ms.max())
 
     def search(pre_grid: np.ndarray, post_grid: np.ndarray) -> tuple[float, float, float]:
         best = (0.0, 0.0, math.inf)
         for pre in pre_grid:
-            pred_PN = pre + np.maximum(post_grid[:, None], gpu_ms[None, :])
+            pred_PN = pre + np.maximum(post_grid[:, None] + offset[None, :], gpu_ms[None, :])
             loss_P = np.mean(((pred_PN - measured_ms) / measured_ms) ** 2, axis=1)
             i = int(np.argmin(loss_P))
             if loss_P[i] < best[2] - 1e-15:
@@ -788,7 +802,7 @@ def point_components(chunks: Sequence[Traffic], shape: MoEShape, method: str, pa
     num_devices = chunks[0].num_devices
     parts = [gpu_components(t, shape, spec, pass_, cost, tokens_per_gpu) for t in chunks]
     out = {key: float(np.mean([p[key] for p in parts])) for key in parts[0]}
-    out.update(layer_time(out["gpu_ms"], spec, pass_, num_devices, cost))
+    out.update(layer_time(out["gpu_ms"], spec, pass_, num_devices, cost, cost.shared_host_ms(shape, pass_)))
     pairs = np.stack([t.pairs_in_D for t in chunks])
     out["mean_devices_per_token"] = float(np.mean([t.mean_devices_per_token for t in chunks]))
     out["load_max_over_mean"] = float(np.mean(pairs.max(1) / np.maximum(pairs.mean(1), 1e-30)))
@@ -989,19 +1003,17 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
 # (c) Calibration and validation
 
 
-SHARED_AB_COLUMNS = ("kind", "shape", "method", "D", "tokens_per_gpu", "median_ms", "status", "shared_ffn")
+SHARED_AB_COLUMNS = ("kind", "shape", "method", "D", "tokens_per_gpu", "status", "shared_ffn")
 SHARED_AB_METHOD = "occult-graph"      # graph replays: GPU time only, no host time in the difference
 SHARED_AB_MIN_TOKENS = 4096            # smaller calls are a latency-bound chain of small kernels
 
 
-def shared_scales(pairs: Sequence[Sequence[str]], dense_tflops: float, hbm_bytes_per_ms: float,
-                  folders: dict | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """The shared expert's measured time over its modelled time, per pass (median over points).
+def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int = 0, folders: dict | None = None):
+    """Per (kind, shape, D, tokens_per_gpu) measured both with and without the shared experts: the
+    median `value` of the `occult-graph` rows (status ok) over the files with them (column `shared`)
+    and over the files without (`noshared`); points of ≥ `min_tokens` tokens/GPU.
 
-    Each pair is (file with the shapes' shared experts, file without): the same `occult-graph`
-    rows of the same run, so their difference is what the shared expert adds. Points: rows of
-    ≥ `SHARED_AB_MIN_TOKENS` tokens/GPU found in both files, medians over the files that hold them.
-    Also returns the points (for the sidecar)."""
+    Each pair is (file with the shapes' shared experts, file without), run on one machine start."""
     import pandas as pd
 
     from occult.config import expand_folders
@@ -1014,29 +1026,90 @@ def shared_scales(pairs: Sequence[Sequence[str]], dense_tflops: float, hbm_bytes
             raise SimulateError(f"{field}: expected [file with shared experts, file without], got {pair!r}")
         for role, text in zip(("shared", "noshared"), pair):
             path = expand_folders(str(text), folders or {}, field)
-            frame = read_table(path, SHARED_AB_COLUMNS, field)
+            frame = read_table(path, (*SHARED_AB_COLUMNS, value), field)
             frame = frame[(frame["method"] == SHARED_AB_METHOD) & (frame["status"] == "ok")
-                          & (frame["tokens_per_gpu"] >= SHARED_AB_MIN_TOKENS)]
-            has_shared = frame["shared_ffn"] > 0
-            if frame.empty or (has_shared.all() if role == "noshared" else not has_shared.all()):
-                raise SimulateError(f"{field}: {path} has no {SHARED_AB_METHOD} rows of >= {SHARED_AB_MIN_TOKENS} "
-                                    f"tokens/GPU {'with' if role == 'shared' else 'without'} shared experts")
+                          & ((frame["shared_ffn"] > 0) == (role == "shared"))]   # shapes without one: neither
+            if frame.empty:
+                raise SimulateError(f"{field}: {path} has no {SHARED_AB_METHOD} rows "
+                                    f"{'with' if role == 'shared' else 'without'} shared experts")
             frames[role].append(frame)
-    shared = pd.concat(frames["shared"]).groupby(key)["median_ms"].median()
-    plain = pd.concat(frames["noshared"]).groupby(key)["median_ms"].median()
-    both = pd.concat([shared.rename("shared_ms"), plain.rename("noshared_ms")], axis=1, join="inner").reset_index()
+    both = pd.concat([pd.concat(frames[role]).groupby(key)[value].median().rename(role)
+                      for role in ("shared", "noshared")], axis=1, join="inner").reset_index()
+    both = both[both["tokens_per_gpu"] >= min_tokens]
     if both.empty:
-        raise SimulateError("simulate.shared_ab: no (kind, shape, D, tokens/GPU) is measured both with and without "
-                            "the shared experts")
+        sizes = f" of >= {min_tokens} tokens/GPU" if min_tokens else ""
+        raise SimulateError(f"simulate.shared_ab: no (kind, shape, D, tokens/GPU){sizes} is measured both with "
+                            "and without the shared experts")
+    return both
+
+
+def shared_scales(pairs: Sequence[Sequence[str]], dense_tflops: float, hbm_bytes_per_ms: float,
+                  folders: dict | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The shared expert's measured time over its modelled time, per pass (median over points):
+    the A/B difference of graph replays (`shared_ab_table`) at ≥ `SHARED_AB_MIN_TOKENS` tokens/GPU.
+    Also returns the points (for the sidecar)."""
     points = []
-    for row in both.itertuples(index=False):
+    for row in shared_ab_table(pairs, "median_ms", SHARED_AB_MIN_TOKENS, folders).itertuples(index=False):
         pass_ = pass_of(row.kind)
         modelled = shared_expert_ms(get_shape(row.shape), float(row.tokens_per_gpu), pass_, dense_tflops, hbm_bytes_per_ms)
         points.append({"pass": pass_, "shape": row.shape, "D": int(row.D), "tokens_per_gpu": int(row.tokens_per_gpu),
-                       "measured_ms": row.shared_ms - row.noshared_ms, "modelled_ms": modelled,
-                       "ratio": (row.shared_ms - row.noshared_ms) / modelled})
-    scales = {p: float(np.median([q["ratio"] for q in points if q["pass"] == p])) for p in sorted({q["pass"] for q in points})}
-    return scales, points
+                       "measured_ms": row.shared - row.noshared, "modelled_ms": modelled,
+                       "ratio": (row.shared - row.noshared) / modelled})
+    return per_pass_median(points, "ratio"), points
+
+
+def shared_host_per_launch(pairs: Sequence[Sequence[str]], folders: dict | None = None
+                           ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Host ms per op the shared expert launches, per pass (median over points): the A/B difference
+    of the graph replays' host time (`host_ms`: the replay is one launch, the shared expert runs
+    eagerly after it) over `shared_launches`, at every size. Also returns the points."""
+    points = []
+    for row in shared_ab_table(pairs, "host_ms", 0, folders).itertuples(index=False):
+        pass_ = pass_of(row.kind)
+        launches = shared_launches(get_shape(row.shape), pass_)
+        points.append({"pass": pass_, "shape": row.shape, "D": int(row.D), "tokens_per_gpu": int(row.tokens_per_gpu),
+                       "host_ms": row.shared - row.noshared, "launches": launches,
+                       "ms_per_launch": (row.shared - row.noshared) / launches})
+    return per_pass_median(points, "ms_per_launch"), points
+
+
+def per_pass_median(points: Sequence[dict[str, Any]], field: str) -> dict[str, float]:
+    return {p: float(np.median([q[field] for q in points if q["pass"] == p])) for p in sorted({q["pass"] for q in points})}
+
+
+@functools.lru_cache(maxsize=None)
+def shared_launches(shape: MoEShape, pass_: str) -> int:
+    """ATen ops that the sweep's shared expert (`occult.sweep.SharedExpert`, with the sum into the
+    layer's output) adds to one call: forward, or forward and backward for `train`. Counted on a
+    tiny copy on the CPU (the count does not depend on the sizes); 0 without a shared expert."""
+    if not shape.shared_ffn:
+        return 0
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from occult.sweep import SharedExpert
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    module = SharedExpert(dataclasses.replace(shape, hidden=8, shared_ffn=8), 0, torch.device("cpu"), torch.float32)
+    train = pass_ == "train"
+    counts = []
+    for with_shared in (True, False):
+        x = torch.randn(4, 8, requires_grad=train)
+        with torch.set_grad_enabled(train):
+            layer_out = x * 2.0                  # stands in for the routed experts' output
+            with Count() as count:
+                y = layer_out + module(x) if with_shared else layer_out
+                if train:
+                    y.backward(torch.ones_like(y))
+        counts.append(count.ops)
+    return counts[0] - counts[1]
 
 
 def build_cost_model(settings: Any) -> CostModel:
@@ -1051,9 +1124,12 @@ def build_cost_model(settings: Any) -> CostModel:
     hbm = getattr(settings, "hbm_gbps", None)
     hbm_bytes_per_ms = math.inf if hbm is None else hbm * 1e9 / 1e3
     pairs = getattr(settings, "shared_ab", ())
-    scale = shared_scales(pairs, settings.dense_tflops, hbm_bytes_per_ms, getattr(settings, "folders", {}))[0] if pairs else {}
+    folders = getattr(settings, "folders", {})
+    scale = shared_scales(pairs, settings.dense_tflops, hbm_bytes_per_ms, folders)[0] if pairs else {}
+    host = shared_host_per_launch(pairs, folders)[0] if pairs else {}
     return CostModel(link, None, None, grouped_gemm_curves(settings.gemm_csv, settings.gemm_min_rows_per_expert),
-                     settings.dense_tflops, hbm_bytes_per_ms=hbm_bytes_per_ms, shared_scale=scale)
+                     settings.dense_tflops, hbm_bytes_per_ms=hbm_bytes_per_ms, shared_scale=scale,
+                     shared_host_per_launch_ms=host)
 
 
 @dataclass
@@ -1234,9 +1310,16 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
             for num_devices in sorted({p.num_devices for p in group}):
                 chosen = [p for p in group if p.num_devices == num_devices]
                 gpu = np.array([p.components(cost)["gpu_ms"] for p in chosen])
-                fits[num_devices] = (*fit_host(gpu, np.array([p.measured_ms for p in chosen]))[:2], gpu, len(chosen))
+                shared = shared_host_array(chosen, cost)
+                pre, post, _ = fit_host(gpu, np.array([p.measured_ms for p in chosen]), shared)
+                fits[num_devices] = (pre, post, gpu - shared, len(chosen))
             host.update(host_terms(family, pass_, fits))
     return dataclasses.replace(cost, host=host)
+
+
+def shared_host_array(points: Sequence[MeasuredPoint], cost: CostModel) -> np.ndarray:
+    """Each point's known host time of launching its shared expert (0 without one)."""
+    return np.array([cost.shared_host_ms(p.shape, p.pass_) for p in points])
 
 
 def calibrate_kernel_floor(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
@@ -1252,7 +1335,7 @@ def calibrate_kernel_floor(points: Sequence[MeasuredPoint], cost: CostModel) -> 
 
 def host_terms(family: str, pass_: str, fits: dict[int, tuple[float, float, np.ndarray, int]]
                ) -> dict[tuple[str, str, int], HostTerms]:
-    """HostTerms per D from (pre, post, G of the points, count) fits. Where every calibration point
+    """HostTerms per D from (pre, post, G − S of the points, count) fits (S: shared-expert launches). Where every calibration point
     of a D is host-bound (post ≥ G), only pre + post is measured: the split is taken from the
     nearest D whose points do fix it (post kept ≥ the largest G), and the source says so."""
     identified = {d: f for d, f in fits.items() if f[2].size and f[1] < f[2].max() + 1e-9}
@@ -1297,9 +1380,10 @@ def calibrate_per_expert(points: Sequence[MeasuredPoint], cost: CostModel) -> Co
 
     base = {d: gpu(0.0, d) for d in by_d}
     unit = {d: gpu(1.0, d) - base[d] for d in by_d}
+    shared = {d: shared_host_array(by_d[d], cost) for d in by_d}
 
     def loss(rate: float) -> float:
-        return sum(fit_host(base[d] + rate * unit[d], measured[d])[2] * len(by_d[d]) for d in by_d)
+        return sum(fit_host(base[d] + rate * unit[d], measured[d], shared[d])[2] * len(by_d[d]) for d in by_d)
 
     rates = np.concatenate([[0.0], np.geomspace(0.25, 64.0, 25)])
     best = int(np.argmin([loss(r) for r in rates]))
@@ -1316,9 +1400,10 @@ def calibrate_naive(points: Sequence[MeasuredPoint], cost: CostModel, pass_: str
     unit = {d: np.array([p.components(dataclasses.replace(cost, naive_ns_per_pair={pass_: 1.0}))["gpu_ms"]
                          for p in ps]) - base[d] for d, ps in by_d.items()}
     measured = {d: np.array([p.measured_ms for p in ps]) for d, ps in by_d.items()}
+    shared = {d: shared_host_array(ps, cost) for d, ps in by_d.items()}
 
     def loss(rate: float) -> tuple[float, dict[int, tuple[float, float, float]]]:
-        fits = {d: fit_host(base[d] + rate * unit[d], measured[d]) for d in by_d}
+        fits = {d: fit_host(base[d] + rate * unit[d], measured[d], shared[d]) for d in by_d}
         total = sum(fits[d][2] * len(by_d[d]) for d in by_d)
         return total, fits
 
@@ -1329,7 +1414,7 @@ def calibrate_naive(points: Sequence[MeasuredPoint], cost: CostModel, pass_: str
     rate = float(min(fine, key=lambda r: loss(r)[0]))
     _, fits = loss(rate)
     host = dict(cost.host)
-    host.update(host_terms("naive", pass_, {d: (pre, post, base[d] + rate * unit[d], len(by_d[d]))
+    host.update(host_terms("naive", pass_, {d: (pre, post, base[d] + rate * unit[d] - shared[d], len(by_d[d]))
                                             for d, (pre, post, _) in fits.items()}))
     return dataclasses.replace(cost, naive_ns_per_pair={**cost.naive_ns_per_pair, pass_: rate}, host=host)
 
@@ -1363,7 +1448,7 @@ def validation_table(points: Sequence[MeasuredPoint], cost: CostModel, tolerance
         replicates = groups[replicate_key(row)]
         ratio = max(replicates) / min(replicates)
         eager = p.spec.family in EAGER_FAMILIES
-        bound = ("host" if eager and parts["host_post_ms"] > parts["gpu_ms"] else "gpu") if missing is None else missing
+        bound = ("host" if eager and parts["host_post_ms"] + parts["host_shared_ms"] > parts["gpu_ms"] else "gpu") if missing is None else missing
         rows.append({
             "role": row.role, "kind": row.kind, "shape": row.shape, "method": row.method, "family": p.spec.family,
             "routing": row.routing, "D": p.num_devices, "tokens_per_gpu": int(row.tokens_per_gpu),
@@ -1458,6 +1543,9 @@ def cost_summary(cost: CostModel) -> dict[str, Any]:
         "per_expert_other_gpu_ns_per_row": cost.pe_per_row_ns,
         "kernel_floor_ms": cost.kernel_floor_ms,
         "shared_expert_scale_by_pass": cost.shared_scale or None,
+        "shared_expert_host_ms_per_launch_by_pass": cost.shared_host_per_launch_ms or None,
+        "shared_expert_launches": {s: {p: shared_launches(get_shape(s), p) for p in PASSES}
+                                   for s in ("qwen", "deepseek")},
         "hbm_gbps": cost.hbm_bytes_per_ms * 1e3 / 1e9 if math.isfinite(cost.hbm_bytes_per_ms) else None,
         "naive_bytes_factor_D_gt_1": NAIVE_BYTES_EP / NAIVE_BYTES_D1,
         "host": {f"{f}/{p}/D={d}": dataclasses.asdict(h) for (f, p, d), h in sorted(cost.host.items())},

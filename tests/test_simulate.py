@@ -36,6 +36,8 @@ from occult.simulate import (
     run_simulate,
     shared_elementwise_bytes,
     shared_expert_ms,
+    shared_host_per_launch,
+    shared_launches,
     shared_scales,
     simulate_point,
     static_traffic,
@@ -672,20 +674,25 @@ def test_kernel_curve_is_net_of_the_whole_shared_expert_model(tmp_path):
     assert [round(t, 6) for _, t, _ in fitted] == [3, 3, 3]
 
 
-def shared_ab_files(tmp_path, scale: dict[str, float], name: str = "ab") -> list[str]:
+def shared_ab_files(tmp_path, scale: dict[str, float], name: str = "ab",
+                    host_per_launch: dict[str, float] | None = None) -> list[str]:
     """A graph-replay A/B of the qwen shape: with its shared expert each row is the same MoE time plus
-    `scale[pass]` x the modelled shared expert; rows below the A/B size floor are off by 10x."""
+    `scale[pass]` x the modelled shared expert; rows below the A/B size floor are off by 10x. Host
+    time: 0.03 ms for the replay plus, with the shared expert, `host_per_launch[pass]` x its launches."""
     shape = get_shape("qwen")
     hbm = 4300e9 / 1e3
+    host_per_launch = host_per_launch or {"fwd": 0.01, "train": 0.02}
     files = []
     for shared in (True, False):
         rows = []
         for kind, pass_, sizes in (("prefill", "fwd", (1024, 4096, 16384)), ("train", "train", (1024, 4096, 8192))):
             for t in sizes:
                 extra = shared_expert_ms(shape, t, pass_, 760, hbm) * (scale[pass_] if t >= 4096 else 10.0)
+                host = 0.03 + (shared_launches(shape, pass_) * host_per_launch[pass_] if shared else 0.0)
                 for method in ("occult-graph", "occult"):        # eager rows carry host time: not read
                     rows.append({"kind": kind, "shape": "qwen", "method": method, "D": 1, "tokens_per_gpu": t,
                                  "median_ms": 1.0 + t / 1e4 + (extra if shared else 0.0) + (0.5 if method == "occult" else 0),
+                                 "host_ms": host + (0.7 if method == "occult" else 0.0),
                                  "shared_ffn": shape.shared_ffn if shared else 0})
         files.append(measured_csv(tmp_path / f"{name}_{'shared' if shared else 'noshared'}.csv", rows))
     return files
@@ -706,9 +713,48 @@ def test_shared_expert_scale_is_measured_from_graph_replay_ab_rows(tmp_path):
     assert build_cost_model(settings()).shared_ms(shape, 4096, "fwd") == shared_expert_ms(shape, 4096, "fwd", 760)
 
 
+def test_shared_expert_launches_are_counted_on_the_sweeps_module():
+    """The ops `occult.sweep.SharedExpert` adds to a call: Qwen's sigmoid gate adds its own GEMM,
+    sigmoid and product; the backward adds more than the forward; no shared expert, no ops."""
+    qwen, deepseek = get_shape("qwen"), get_shape("deepseek")
+    # forward: gate_up (t, mm), 2 slices, silu, product, down (t, mm), the sum into the output = 9
+    assert shared_launches(deepseek, "fwd") == 9
+    assert shared_launches(qwen, "fwd") == 9 + 4                      # gate: t, mm, sigmoid, mul
+    assert shared_launches(dataclasses.replace(qwen, shared_gate=False), "fwd") == 9
+    assert shared_launches(qwen, "train") > 2 * shared_launches(qwen, "fwd")
+    assert shared_launches(get_shape("olmoe"), "train") == 0
+    assert shared_launches(dataclasses.replace(qwen, shared_ffn=0), "fwd") == 0
+
+
+def test_shared_expert_host_is_measured_per_launch_and_added_after_the_sync(tmp_path):
+    """Host ms per launch from the graph replays' host_ms A/B (every size, eager rows not read);
+    an eager layer pays it after its sync (`pre + max(post + S, G)`), a graph replay does not, and
+    the host fit takes each point's S as known."""
+    pair = shared_ab_files(tmp_path, {"fwd": 1.0, "train": 1.0}, host_per_launch={"fwd": 0.012, "train": 0.021})
+    per_launch, points = shared_host_per_launch([pair])
+    assert per_launch == pytest.approx({"fwd": 0.012, "train": 0.021})
+    assert sorted({p["tokens_per_gpu"] for p in points}) == [1024, 4096, 8192, 16384]
+    cost = build_cost_model(settings(shared_ab=(tuple(pair),)))
+    qwen = get_shape("qwen")
+    assert cost.shared_host_ms(qwen, "fwd") == pytest.approx(13 * 0.012)
+    assert cost.shared_host_ms(get_shape("olmoe"), "train") == 0.0
+    assert cost_summary(cost)["shared_expert_host_ms_per_launch_by_pass"] == pytest.approx(per_launch)
+    host = dataclasses.replace(cost, host={("occult", "fwd", 1): HostTerms(0.2, 0.3, 1, "test")})
+    eager = layer_time(0.1, method_spec("occult"), "fwd", 1, host, shared_host_ms=0.156)
+    assert eager["layer_ms"] == pytest.approx(0.2 + 0.3 + 0.156) and eager["host_shared_ms"] == 0.156
+    assert layer_time(0.1, method_spec("occult-graph"), "fwd", 1, host, shared_host_ms=0.156)["layer_ms"] == 0.1
+    # a host-bound shape with a shared expert beside one without: S known, pre and post come back
+    gpu = np.array([0.1, 0.1, 0.3, 2.0, 0.1, 2.0])
+    shared = np.array([0.0, 0.0, 0.0, 0.0, 0.4, 0.4])
+    measured = 0.25 + np.maximum(0.35 + shared, gpu)
+    pre, post, loss = fit_host(gpu, measured, shared)
+    assert (pre, post) == pytest.approx((0.25, 0.35), abs=2e-3) and loss < 1e-5
+    assert fit_host(gpu, measured)[2] > 1e-3                  # without S one (pre, post) fits neither shape
+
+
 def test_bad_shared_ab_inputs_are_named(tmp_path):
     shared, plain = shared_ab_files(tmp_path, {"fwd": 1.0, "train": 1.0})
-    with pytest.raises(SimulateError, match=r"shared_ab\[0\]: .*ab_shared.csv has no occult-graph rows .* without"):
+    with pytest.raises(SimulateError, match=r"shared_ab\[0\]: .*ab_shared.csv has no occult-graph rows without"):
         shared_scales([[shared, shared]], 760, 4300e9 / 1e3)
     with pytest.raises(SimulateError, match=r"shared_ab\[1\]: expected \[file with shared experts, file without\]"):
         shared_scales([[shared, plain], [shared]], 760, 4300e9 / 1e3)
@@ -716,5 +762,10 @@ def test_bad_shared_ab_inputs_are_named(tmp_path):
     other.to_csv(tmp_path / "other.csv", index=False)
     with pytest.raises(SimulateError, match="no .* is measured both with and without"):
         shared_scales([[shared, str(tmp_path / "other.csv")]], 760, 4300e9 / 1e3)
+    small = pd.read_csv(plain).query("tokens_per_gpu < 4096")
+    small.to_csv(tmp_path / "small.csv", index=False)
+    with pytest.raises(SimulateError, match="no .* of >= 4096 tokens/GPU is measured both"):
+        shared_scales([[shared, str(tmp_path / "small.csv")]], 760, 4300e9 / 1e3)
+    assert shared_host_per_launch([[shared, str(tmp_path / "small.csv")]])[0]["fwd"] > 0   # every size counts
     with pytest.raises(SimulateError, match=r"shared_ab\[0\]: .*nowhere.csv does not exist"):
         shared_scales([[str(tmp_path / "nowhere.csv"), plain]], 760, 4300e9 / 1e3)
