@@ -1421,13 +1421,16 @@ def calibrate_naive(points: Sequence[MeasuredPoint], cost: CostModel, pass_: str
 
 def replicate_key(row: Any) -> tuple:
     """Rows with the same key run the same computation: at D = 1 every eager Occult variant (pruning
-    and placement do nothing); N_d ≥ D is exact routing; graph replays of them likewise."""
+    and placement do nothing); N_d ≥ D is exact routing; graph replays of them likewise. A row run
+    without the shape's shared experts (`--no-shared`, `shared_ffn` 0) is another computation."""
     spec = method_spec(row.method)
     num_devices = int(row.D)
     nd = spec.max_devices if spec.max_devices is not None and spec.max_devices < num_devices else None
     contiguous = spec.contiguous and num_devices > 1
+    shared = getattr(row, "shared_ffn", float("nan"))
+    shared_ffn = int(shared) if np.isfinite(shared) else get_shape(row.shape).shared_ffn
     return (row.kind, row.shape, num_devices, int(row.tokens_per_gpu), row.routing, spec.family, spec.mode, nd,
-            contiguous)
+            contiguous, shared_ffn)
 
 
 def validation_table(points: Sequence[MeasuredPoint], cost: CostModel, tolerance: float):

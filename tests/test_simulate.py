@@ -297,6 +297,20 @@ def test_validation_table_separates_calibration_and_validation(tmp_path):
     assert set(table.loc[(table["D"] == 2) & (table["method"] == "occult"), "replicates"]) == {1}
 
 
+def test_rows_without_the_shared_experts_are_not_replicates_of_rows_with_them():
+    from types import SimpleNamespace
+
+    from occult.simulate import replicate_key
+
+    def row(method: str, shared_ffn: float) -> SimpleNamespace:
+        return SimpleNamespace(kind="decode", shape="qwen", method=method, D=1, tokens_per_gpu=8, routing="synthetic",
+                               shared_ffn=shared_ffn)
+
+    shared = get_shape("qwen").shared_ffn
+    assert replicate_key(row("occult", shared)) != replicate_key(row("occult", 0))
+    assert replicate_key(row("occult", float("nan"))) == replicate_key(row("occult-nd1", shared))   # old files: with
+
+
 def test_validation_points_do_not_move_the_calibration(tmp_path):
     """Changing a validation point's measurement changes its error, never the fitted terms."""
     fits = []
