@@ -62,11 +62,27 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux `/proc/cpuinfo`), else None."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def hardware() -> dict[str, Any]:
-    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+    """CPU and GPU facts. `cpu_isa` is the vector instruction set torch's CPU kernels dispatch to
+    (AVX2, AVX512, ...): CPU float results can differ in the last bits between machines that differ in it."""
+    info: dict[str, Any] = {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                            "cpu_model": cpu_model()}
     try:
         import torch
 
+        info["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
             info["gpu_count"] = torch.cuda.device_count()

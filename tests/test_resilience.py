@@ -374,6 +374,7 @@ def test_results_carry_provenance(stages):
         assert meta["commit"], name
         assert meta["versions"]["torch"] in {torch.__version__, torch.__version__.split("+")[0]}, name
         assert meta["hardware"]["cpu_count"] == os.cpu_count(), name
+        assert meta["hardware"]["cpu_isa"] == torch.backends.cpu.get_cpu_capability(), name
 
 
 def test_gpu_interconnect_is_read_from_nvidia_smi_topology():
