@@ -271,7 +271,7 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shard
            "SITE": "", "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}", "QUALITY_GPUS": gpus, "QUALITY_SHARDS": shards,
            "TRAINBENCH_STEPS": "1", "TRAINBENCH_WARMUP": "0"}
     pack = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=env, capture_output=True, text=True, errors="replace", timeout=300)
     assert pack.returncode == 0, pack.stderr[-3000:]
     packed = json.loads((tmp_path / "carry" / "manifest.json").read_text())
     assert {"config.yaml", "data.tar.xz", "COMMIT", "TREE.sha256"} <= set(packed["files"])
@@ -279,7 +279,7 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shard
     env["WORK_ROOT"] = str(tmp_path / "gpu-work")
     for phase in ("pretrain", "variants", "evaluate"):
         run = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", phase], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=400)
+                             capture_output=True, text=True, errors="replace", timeout=400)
         assert run.returncode == 0, f"{phase}: {run.stdout[-3000:]}"
         assert "code tree: matches" in run.stdout
         if shards and phase != "pretrain":
@@ -290,7 +290,7 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shard
     lines[0] = "0" * 64 + lines[0][64:]
     tree.write_text("\n".join(lines) + "\n")
     again = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", "variants"], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=200)
+                           capture_output=True, text=True, errors="replace", timeout=200)
     assert again.returncode == 0 and "finetune micro" not in again.stdout and "arms:" not in again.stdout
     assert "code tree: DIFFERS" in again.stdout and lines[0][66:] in again.stdout
     arms = quality_arms(load_config(tmp_path / "carry" / "config.yaml"))
@@ -304,7 +304,7 @@ def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shard
                            f'exec {REPO / ".venv/bin/python"} "$@"\n')
         failing.chmod(0o755)
         retried = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", "evaluate"], cwd=REPO,
-                                 env={**env, "PYTHON": str(failing)}, capture_output=True, text=True, timeout=300)
+                                 env={**env, "PYTHON": str(failing)}, capture_output=True, text=True, errors="replace", timeout=300)
         assert retried.returncode == 0, retried.stdout[-3000:]
         assert "simulated failure" in retried.stdout and "a shard failed (exit 1)" in retried.stdout
         assert lost.is_file()
@@ -352,7 +352,7 @@ def test_pack_refuses_a_corpus_pretraining_would_repeat_too_often(tmp_path):
     preset.write_text(yaml.safe_dump(merge(MICRO, {"pretrain": {"steps": 100000}})))
     env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python")}
     run = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=REPO, env=env, capture_output=True, text=True, errors="replace", timeout=300)
     assert run.returncode != 0 and "MAX_EPOCHS" in run.stderr
 
 
@@ -363,14 +363,14 @@ def test_pack_seed_makes_a_second_base_model_of_the_same_recipe(tmp_path):
     env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python"),
            "PACK_SEED": "3"}
     run = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                         cwd=REPO, env=env, capture_output=True, text=True, errors="replace", timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     packed = yaml.safe_load((tmp_path / "carry" / "config.yaml").read_text())
     assert packed["seed"] == 3 and packed["run"] == f"{MICRO['run']}-seed3"
     assert packed["finetune"] == merge(BASE, MICRO)["finetune"]              # the recipe itself is unchanged
     assert (tmp_path / "work" / f"{MICRO['run']}-seed3" / "data" / "manifest.json").is_file()
     bad = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry2")],
-                         cwd=REPO, env={**env, "PACK_SEED": "one"}, capture_output=True, text=True, timeout=300)
+                         cwd=REPO, env={**env, "PACK_SEED": "one"}, capture_output=True, text=True, errors="replace", timeout=300)
     assert bad.returncode != 0 and "PACK_SEED='one'" in bad.stderr and not (tmp_path / "carry2" / "config.yaml").exists()
 
 
