@@ -118,9 +118,12 @@ occult_cli=("$PY" -m occult)      # torchrun's own parser needs the "--" before 
 # each, three shards on one H200 machine took 97 s per checkpoint load against 1.5 s for one process
 # alone (results/nvidia-h200/quality_upcycle_v2_partial/logs); on 2 cores, three loads took 36-38 s
 # each with 2 threads and 13-14 s with 1 (examples/time_cpu_fixes.py loads).
+# Each shard writes to a log file of its own ($RES/logs/<phase function>_shard<i>of<N>.log, bundled with
+# the results; `tail -f` it to follow a shard), printed whole, prefixed, once every shard has ended:
+# shards sharing one pipe interleaved their progress bars mid-character.
 SHARDS=${QUALITY_SHARDS:-$GPUS}
 sharded() {
-    local pids=() rc=0 code i device devices
+    local pids=() logs=() rc=0 code i device devices log
     local threads=${OMP_NUM_THREADS:-$(( $(nproc) / SHARDS > 0 ? $(nproc) / SHARDS : 1 ))}
     IFS=, read -r -a devices <<< "${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS - 1)))}"
     # processes sharing one GPU: evaluation caps its CUDA allocator at its share (cap_gpu_memory_share)
@@ -128,8 +131,11 @@ sharded() {
     for ((i = 0; i < SHARDS; i++)); do
         if [ "$SHARDS" -gt 1 ]; then
             device=${devices[$(( i % GPUS ))]}
+            log="$RES/logs/${FUNCNAME[1]:-sharded}_shard${i}of${SHARDS}.log"
+            echo "[gpu $device shard $i] started: $log"
             CUDA_VISIBLE_DEVICES=$device OMP_NUM_THREADS=$threads OCCULT_PROCESSES_PER_GPU=$per_gpu \
-                "$@" --shard "$i/$SHARDS" > >(sed "s/^/[gpu $device shard $i] /") 2>&1 &
+                "$@" --shard "$i/$SHARDS" > "$log" 2>&1 &
+            logs+=("$device $i $log")
         else
             "$@" &
         fi
@@ -138,6 +144,10 @@ sharded() {
     for i in "${pids[@]}"; do
         code=0; wait "$i" || code=$?
         if [ "$code" -ne 0 ] && { [ "$rc" -eq 0 ] || [ "$rc" -eq 3 ]; }; then rc=$code; fi
+    done
+    for log in "${logs[@]}"; do       # a progress bar's redraws (\r) collapse to its last state
+        read -r device i log <<< "$log"
+        sed "s/.*\r//; s/^/[gpu $device shard $i] /" "$log"
     done
     return $rc
 }
