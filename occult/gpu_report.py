@@ -51,9 +51,18 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
+def replicate_medians(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per point (kind, shape, method, D, size): the median of its replicates' `median_ms`
+    (a run may hold several processes' files of the same sweep), with their min and max."""
+    keys = [k for k in ("kind", "shape", "method", "D", "tokens_per_gpu", "batch") if k in frame.columns]
+    return (frame.groupby(keys, dropna=False, sort=False)["median_ms"]
+            .agg(median_ms="median", low_ms="min", high_ms="max", replicates="size").reset_index())
+
+
 def plot_kind(frame: pd.DataFrame, kind: str, path: Path) -> None:
-    """One panel per (shape, D): median latency per method against the sweep size (ok rows only)."""
-    ok = frame[(frame["kind"] == kind) & (frame["status"] == "ok")]
+    """One panel per (shape, D): median latency per method against the sweep size (ok rows only);
+    where a point has replicates, the line goes through their median and a bar spans them."""
+    ok = replicate_medians(frame[(frame["kind"] == kind) & (frame["status"] == "ok")])
     panels = sorted(ok.groupby(["shape", "D"]).groups)
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
     for ax, (shape, devices) in zip(axes[0], panels):
@@ -61,7 +70,10 @@ def plot_kind(frame: pd.DataFrame, kind: str, path: Path) -> None:
         for method, g in part.groupby("method"):
             g = g.sort_values(SIZE_COLUMN[kind])
             style = "-o" if method.startswith("occult") else "--x"
-            ax.plot(g[SIZE_COLUMN[kind]], g["median_ms"], style, ms=3, label=method)
+            line, = ax.plot(g[SIZE_COLUMN[kind]], g["median_ms"], style, ms=3, label=method)
+            spread = g[g["replicates"] > 1]
+            if not spread.empty:
+                ax.vlines(spread[SIZE_COLUMN[kind]], spread["low_ms"], spread["high_ms"], color=line.get_color(), lw=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"{kind}: {shape}, D={devices}", fontsize=9)
@@ -75,6 +87,7 @@ def plot_kind(frame: pd.DataFrame, kind: str, path: Path) -> None:
 def speedups(frame: pd.DataFrame, tokens: int = REFERENCE_TOKENS) -> pd.DataFrame:
     """Occult's speedup over each baseline at `tokens` per GPU (prefill), per shape and D."""
     ok = frame[(frame["kind"] == "prefill") & (frame["status"] == "ok") & (frame["tokens_per_gpu"] == tokens)]
+    ok = replicate_medians(ok)
     rows = []
     for (shape, devices), g in ok.groupby(["shape", "D"]):
         times = g.set_index("method")["median_ms"]

@@ -95,6 +95,18 @@ def test_sweep_speedups_by_hand():
     assert ("occult", "occult-graph") not in table.index                  # Occult variants are not baselines
 
 
+def test_sweep_speedups_use_the_median_of_replicates():
+    """Two processes' files of one sweep in a run: each point's median over its replicates."""
+    rows = [{"kind": "prefill", "status": "ok", "tokens_per_gpu": 16384, "shape": "olmoe", "D": 1,
+             "method": m, "median_ms": t} for m, t in (("occult", 4.0), ("occult", 6.0), ("occult", 5.0),
+                                                        ("naive", 9.0), ("naive", 11.0))]
+    table = gpu_report.speedups(pd.DataFrame(rows)).set_index(["occult", "baseline"])
+    assert len(table) == 1
+    assert table.loc[("occult", "naive"), "speedup"] == pytest.approx(10.0 / 5.0)
+    points = gpu_report.replicate_medians(pd.DataFrame(rows)).set_index("method")
+    assert points.loc["occult", ["low_ms", "high_ms", "replicates"]].tolist() == [4.0, 6.0, 3]
+
+
 def kernel_rows(swiglu_ms: float, peak_ms: float) -> pd.DataFrame:
     """A bench_kernels CSV: two forward rows and the two peak rows (as the bench writes them)."""
     flops = 2.0 * 8192**3
