@@ -32,9 +32,11 @@ Per size: `--input-sets` input sets are generated and rotated over `warmup + rep
 step is timed with CUDA events (perf_counter on CPU) after a barrier; the per-step time is the max
 over ranks; the row gets its median, p10 and p90, and `host_ms`, the median host time until the
 step's call returns (a sync inside the call included, GPU work still queued excluded: a layer is
-host-bound where host_ms is close to median_ms), and `host_probe_us`, the median time of a fixed
-pure-Python loop run just before each timed block (`host_probe_us()`: the host CPU's speed at that
-moment, which on the lent H200 machines moves up to 2x within seconds). Peak memory = max over ranks of
+host-bound where host_ms is close to median_ms), and two host probes run just before each timed
+block, their medians: `host_probe_us`, a fixed pure-Python loop (`host_probe_us()`: the host CPU's
+speed at that moment, which on the lent H200 machines moves up to 2x within seconds), and
+`host_launch_us`, issuing `HOST_LAUNCHES` tiny ops on the device (`host_launch_us()`: the launch
+path an eager layer spends its host time in). Peak memory = max over ranks of
 `torch.cuda.max_memory_allocated` during the timed loop. Bytes sent per rank come from each
 method's own accounting (rows, metadata, padding). A method that raises gets `status="error: ..."`
 (traceback on stderr) and the sweep goes on; one whose library is missing gets
@@ -110,7 +112,7 @@ COLUMNS = (
     "machine", "commit", "command", "kind", "shape", "method", "D", "tokens_per_gpu", "batch", "seq_len",
     "dtype", "median_ms", "p10_ms", "p90_ms", "peak_mem_gib", "bytes_sent", "mean_devices_per_token",
     "max_rel_err", "status", "routing", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms", "host_ms",
-    "host_probe_us", "repeats", "warmup", "timer", "timing", "num_experts", "top_k", "hidden", "ffn",
+    "host_probe_us", "host_launch_us", "repeats", "warmup", "timer", "timing", "num_experts", "top_k", "hidden", "ffn",
     "shared_ffn", *(f"version_{name.replace('-', '_')}" for name in VERSION_PACKAGES),
 )
 
@@ -674,20 +676,37 @@ def host_probe_us(iters: int = HOST_PROBE_ITERS) -> float:
     return 1e6 * (time.perf_counter() - begin)
 
 
+HOST_LAUNCHES = 20
+_LAUNCH_SCRATCH: dict[torch.device, torch.Tensor] = {}
+
+
+def host_launch_us(device: torch.device, launches: int = HOST_LAUNCHES) -> float:
+    """Microseconds to issue `launches` in-place adds on a one-element tensor of `device` (the ops
+    are drained after the clock stops): the dispatcher and driver launch path at this moment."""
+    scratch = _LAUNCH_SCRATCH.setdefault(device, torch.zeros(1, device=device))
+    begin = time.perf_counter()
+    for _ in range(launches):
+        scratch.add_(1.0)
+    elapsed = time.perf_counter() - begin
+    synchronize(device)
+    return 1e6 * elapsed
+
+
 def _run_blocks(step: Callable[[int], None], blocks: Sequence[range], device: torch.device,
-                world: int) -> tuple[list[float], list[float], list[float]]:
-    """Per block: the GPU drained and the ranks met, the host probed (`host_probe_us`), then its steps
-    issued back to back; returns each block's milliseconds per step (CUDA events; `perf_counter` on
-    the CPU), host milliseconds per step (from the first call until the last returns: a sync inside a
-    step counts, GPU work still queued at the end does not) and the probe's microseconds."""
+                world: int) -> tuple[list[float], list[float], list[tuple[float, float]]]:
+    """Per block: the GPU drained and the ranks met, the host probed (`host_probe_us`,
+    `host_launch_us`), then its steps issued back to back; returns each block's milliseconds per
+    step (CUDA events; `perf_counter` on the CPU), host milliseconds per step (from the first call
+    until the last returns: a sync inside a step counts, GPU work still queued at the end does not)
+    and the probes' microseconds."""
     times: list[float] = []
     hosts: list[float] = []
-    probes: list[float] = []
+    probes: list[tuple[float, float]] = []
     for block in blocks:
         synchronize(device)
         if world > 1:
             dist.barrier()
-        probes.append(host_probe_us())
+        probes.append((host_probe_us(), host_launch_us(device)))
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -706,24 +725,27 @@ def _run_blocks(step: Callable[[int], None], blocks: Sequence[range], device: to
     return times, hosts, probes
 
 
-def _max_over_ranks(times: list[float], hosts: list[float], probes: list[float], device: torch.device, world: int,
-                    host_times: list[float] | None, host_probes: list[float] | None) -> list[float]:
-    values = torch.tensor([times, hosts, probes], dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
+def _max_over_ranks(times: list[float], hosts: list[float], probes: list[tuple[float, float]], device: torch.device,
+                    world: int, host_times: list[float] | None,
+                    host_probes: list[tuple[float, float]] | None) -> list[float]:
+    python_us, launch_us = zip(*probes) if probes else ((), ())
+    values = torch.tensor([times, hosts, list(python_us), list(launch_us)], dtype=torch.float64,
+                          device=device if device.type == "cuda" else "cpu")
     if world > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     if host_times is not None:
         host_times.extend(values[1].tolist())
     if host_probes is not None:
-        host_probes.extend(values[2].tolist())
+        host_probes.extend(zip(values[2].tolist(), values[3].tolist()))
     return values[0].tolist()
 
 
 def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: torch.device,
                world: int, host_times: list[float] | None = None,
-               host_probes: list[float] | None = None) -> list[float]:
+               host_probes: list[tuple[float, float]] | None = None) -> list[float]:
     """Milliseconds of each timed step (after `warmup`), the GPU drained before every step, max over
     ranks. If `host_times` is given, it receives each timed step's host milliseconds (max over ranks);
-    `host_probes`, the host probe's microseconds before each timed step (max over ranks)."""
+    `host_probes`, the host probes' microseconds (Python loop, launches) before each timed step."""
     _run_blocks(step, [range(i, i + 1) for i in range(warmup)], device, world)
     times, hosts, probes = _run_blocks(step, [range(i, i + 1) for i in range(warmup, warmup + steps)], device, world)
     return _max_over_ranks(times, hosts, probes, device, world, host_times, host_probes)
@@ -731,11 +753,11 @@ def time_steps(step: Callable[[int], None], steps: int, warmup: int, device: tor
 
 def time_stream(step: Callable[[int], None], steps: int, warmup: int, device: torch.device,
                 world: int, host_times: list[float] | None = None,
-                host_probes: list[float] | None = None) -> list[float]:
+                host_probes: list[tuple[float, float]] | None = None) -> list[float]:
     """Milliseconds per step of `STREAM_BLOCKS` blocks of `steps` steps issued back to back (the GPU
     drained, and ranks met, only before each block; max over ranks): the steady rate of consecutive
     layer calls. `host_times` receives each block's host milliseconds per step, `host_probes` the
-    host probe's microseconds before each block."""
+    host probes' microseconds before each block."""
     for i in range(warmup):
         step(i)
     blocks = [range(warmup + b * steps, warmup + (b + 1) * steps) for b in range(STREAM_BLOCKS)]
@@ -1062,14 +1084,16 @@ def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method
             synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         host_times: list[float] = []
-        host_probes: list[float] = []
+        host_probes: list[tuple[float, float]] = []
         timer = time_stream if settings.timing == "stream" else time_steps
         times = timer(step, settings.repeats, settings.warmup, device, world, host_times, host_probes)
         if settings.host_profile:
             profile_host(step, settings.repeats, device, world, rank, Path(settings.host_profile)
                          / f"host_{settings.kind}_{shape.name}_{name}_{size}.txt")
         out.update(median_ms=statistics.median(times), p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9),
-                   host_ms=statistics.median(host_times), host_probe_us=statistics.median(host_probes))
+                   host_ms=statistics.median(host_times),
+                   host_probe_us=statistics.median(p for p, _ in host_probes),
+                   host_launch_us=statistics.median(q for _, q in host_probes))
         if isinstance(method, OccultEP) and method.phase_events:
             out.update(phase_medians(method.phase_events[settings.warmup:], device, world))
         if device.type == "cuda":

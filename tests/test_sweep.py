@@ -47,7 +47,7 @@ def test_cli_smoke_writes_every_row_with_the_expected_columns(tmp_path, world):
     assert (ran["median_ms"] > 0).all() and (ran["p10_ms"] <= ran["median_ms"]).all()
     assert (ran["median_ms"] <= ran["p90_ms"]).all()
     assert (ran["host_ms"] > 0).all() and ran["host_ms"].notna().all()      # on CPU host time is the time
-    assert (ran["host_probe_us"] > 0).all()
+    assert (ran["host_probe_us"] > 0).all() and (ran["host_launch_us"] > 0).all()
     assert (ran["max_rel_err"] < sweep.REL_TOLERANCE["float32"]).all()
     occult = frame[frame["method"] == "occult"]
     assert occult["mean_devices_per_token"].between(1, min(world, 3)).all()
@@ -358,11 +358,11 @@ def test_stream_timing_issues_blocks_of_steps_back_to_back():
         time.sleep(0.002)
 
     hosts: list[float] = []
-    probes: list[float] = []
+    probes: list[tuple[float, float]] = []
     times = sweep.time_stream(step, 4, 2, torch.device("cpu"), 1, hosts, probes)
     assert calls == list(range(2 + sweep.STREAM_BLOCKS * 4))
     assert len(times) == len(hosts) == len(probes) == sweep.STREAM_BLOCKS
-    assert all(p > 0 for p in probes)
+    assert all(p > 0 and q > 0 for p, q in probes)
     assert all(2.0 <= t < 50.0 for t in times)          # one step, not a block: 2 ms of sleep each
 
 
@@ -373,6 +373,9 @@ def test_host_probe_scales_with_its_work():
     large = min(sweep.host_probe_us(40000) for _ in range(5))
     assert 0 < small < large
     assert large > 5 * small
+    few = min(sweep.host_launch_us(torch.device("cpu"), 5) for _ in range(5))
+    many = min(sweep.host_launch_us(torch.device("cpu"), 500) for _ in range(5))
+    assert 0 < few < many
 
 
 def test_stream_timing_rows_say_so_and_the_simulator_skips_them(tmp_path):
