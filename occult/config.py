@@ -128,6 +128,7 @@ class SimulateConfig:
     folders: dict = dataclasses.field(default_factory=dict)   # name -> folder, written `$name` in entries
     history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
     shared_ab: tuple = ()               # ([file with shared experts, file without], ...): the shared expert's cost
+    host_speed: str = "auto"            # auto | none | launch | python: host terms scaled by a probe (occult.simulate.host_scale_of_set)
 
     def expand(self, text: str, field: str) -> str:
         """`text` with every `$name` replaced by `folders[name]`."""

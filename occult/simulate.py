@@ -85,7 +85,7 @@ COMPONENTS = ("kernels_ms", "other_gpu_ms", "comm_ms", "shared_ms", "gpu_ms", "h
               "host_shared_ms")
 VALIDATION_COLUMNS = (
     "role", "kind", "shape", "method", "family", "routing", "D", "tokens_per_gpu", "batch", "measured_ms",
-    "p10_ms", "p90_ms", "predicted_ms", "rel_err", "within_tolerance", "bound", *COMPONENTS,
+    "p10_ms", "p90_ms", "predicted_ms", "rel_err", "within_tolerance", "bound", *COMPONENTS, "host_scale",
     "replicates", "replicate_ratio", "reachable", "measured_ct", "trace_ct", "measured_bytes_sent",
     "trace_bytes_sent", "measured_pairs_max", "trace_pairs_max", "traffic_source", "source", "commit",
 )
@@ -588,25 +588,30 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
 
 
 def layer_time(gpu_ms: float, spec: MethodSpec, pass_: str, num_devices: int, cost: CostModel,
-               shared_host_ms: float = 0.0) -> dict[str, float]:
-    """`t = pre + max(post + S, G)` for eager layers (S: launching the shared expert, which the
-    sweep runs eagerly after the layer), `t = G` for graph replay and kernels alone."""
+               shared_host_ms: float = 0.0, host_scale: float = 1.0) -> dict[str, float]:
+    """`t = s·pre + max(s·(post + S), G)` for eager layers (S: launching the shared expert, which the
+    sweep runs eagerly after the layer; s: the host's slowness when the point ran, 1 = the typical
+    host, `host_scale_column`), `t = G` for graph replay and kernels alone."""
     if spec.family in ("occult-graph", "occult-compute"):
         return {"host_pre_ms": 0.0, "host_post_ms": 0.0, "host_shared_ms": 0.0, "layer_ms": gpu_ms}
     host = cost.host_for(spec.family, pass_, num_devices)
     if host is None:
         return {"host_pre_ms": float("nan"), "host_post_ms": float("nan"), "host_shared_ms": float("nan"),
                 "layer_ms": float("nan")}
-    return {"host_pre_ms": host.pre_ms, "host_post_ms": host.post_ms, "host_shared_ms": shared_host_ms,
-            "layer_ms": host.pre_ms + max(host.post_ms + shared_host_ms, gpu_ms)}
+    pre, post, shared = host_scale * host.pre_ms, host_scale * host.post_ms, host_scale * shared_host_ms
+    return {"host_pre_ms": pre, "host_post_ms": post, "host_shared_ms": shared,
+            "layer_ms": pre + max(post + shared, gpu_ms)}
 
 
-def fit_host(gpu_ms: np.ndarray, measured_ms: np.ndarray, shared_host_ms: np.ndarray | None = None
-             ) -> tuple[float, float, float]:
-    """(pre, post, mean squared relative error) of `pre + max(post + S, G)` ≥ 0 against `measured_ms`
-    (S: each point's shared-expert launches, known; default 0), by grid search (coarse 20 µs, then
-    2 µs around the best). Ties go to the smallest terms."""
-    gpu_ms, measured_ms = np.asarray(gpu_ms, float), np.asarray(measured_ms, float)
+def fit_host(gpu_ms: np.ndarray, measured_ms: np.ndarray, shared_host_ms: np.ndarray | None = None,
+             host_scale: np.ndarray | None = None) -> tuple[float, float, float]:
+    """(pre, post, mean squared relative error) of `s·pre + max(s·(post + S), G)` ≥ 0 against
+    `measured_ms` (S: each point's shared-expert launches, known, default 0; s: each point's host
+    slowness, default 1), by grid search (coarse 20 µs, then 2 µs around the best). Ties go to the
+    smallest terms. The relative error of a point is that of `pre + max(post + S, G/s)` against
+    measured/s, which is how it is searched."""
+    scale = np.ones(len(np.atleast_1d(gpu_ms))) if host_scale is None else np.asarray(host_scale, float)
+    gpu_ms, measured_ms = np.asarray(gpu_ms, float) / scale, np.asarray(measured_ms, float) / scale
     offset = np.zeros_like(gpu_ms) if shared_host_ms is None else np.asarray(shared_host_ms, float)
     top = float(measured_ms.max())
 
@@ -796,13 +801,14 @@ def predict_recorded(profile_dir: Path, trace_name: str, shape_name: str, layers
 
 
 def point_components(chunks: Sequence[Traffic], shape: MoEShape, method: str, pass_: str, cost: CostModel,
-                     tokens_per_gpu: float, link_gpus_per_node: int | None = None) -> dict[str, float]:
+                     tokens_per_gpu: float, link_gpus_per_node: int | None = None,
+                     host_scale: float = 1.0) -> dict[str, float]:
     """Predicted terms of one layer (mean over trace chunks) and the traffic facts."""
     spec = method_spec(method)
     num_devices = chunks[0].num_devices
     parts = [gpu_components(t, shape, spec, pass_, cost, tokens_per_gpu) for t in chunks]
     out = {key: float(np.mean([p[key] for p in parts])) for key in parts[0]}
-    out.update(layer_time(out["gpu_ms"], spec, pass_, num_devices, cost, cost.shared_host_ms(shape, pass_)))
+    out.update(layer_time(out["gpu_ms"], spec, pass_, num_devices, cost, cost.shared_host_ms(shape, pass_), host_scale))
     pairs = np.stack([t.pairs_in_D for t in chunks])
     out["mean_devices_per_token"] = float(np.mean([t.mean_devices_per_token for t in chunks]))
     out["load_max_over_mean"] = float(np.mean(pairs.max(1) / np.maximum(pairs.mean(1), 1e-30)))
@@ -979,7 +985,7 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
         if frame.empty:
             raise SimulateError(f"{field}.measured: {text!r} selects no ok, step-timed Occult / naive row")
         for column in ("batch", "p10_ms", "p90_ms", "bytes_sent", "mean_devices_per_token", "pairs_received_max",
-                       "shared_ffn", "commit"):
+                       "shared_ffn", "commit", *HOST_PROBES.values()):
             if column not in frame.columns:
                 frame[column] = np.nan
         if "routing" not in frame.columns:
@@ -993,10 +999,47 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
                          for m, t in zip(frame["method"], frame["tokens_per_gpu"])]
         frames.append(frame)
     columns = [*MEASURED_COLUMNS, "batch", "p10_ms", "p90_ms", "bytes_sent", "mean_devices_per_token",
-               "pairs_received_max", "shared_ffn", "commit", "routing", "source", "role"]
+               "pairs_received_max", "shared_ffn", "commit", *HOST_PROBES.values(), "routing", "source", "role",
+               *(f"host_scale_{name}" for name in HOST_PROBES)]
     if not frames:
         return pd.DataFrame(columns=columns)
-    return pd.concat(frames, ignore_index=True)[columns]
+    out = pd.concat(frames, ignore_index=True)
+    for name, column in HOST_PROBES.items():
+        out[f"host_scale_{name}"] = host_scale_column(out[column])
+    return out[columns]
+
+
+HOST_PROBES = {"launch": "host_launch_us", "python": "host_probe_us"}   # simulate.host_speed -> sweep column
+
+
+def host_scale_of_set(frame, host_speed: str):
+    """The `host_scale` of a set's rows: 1 for `none` (every row on a typical host), the named probe's
+    `host_scale_column`, or for `auto` the first probe of HOST_PROBES that some row of the set carries
+    (the launch probe tracked the eager layer's host time best: docs/simulator.md)."""
+    typical = frame["host_probe_us"].astype(float).fillna(0.0) * 0.0 + 1.0
+    if host_speed == "none":
+        return typical
+    if host_speed == "auto":
+        carried = [name for name, column in HOST_PROBES.items() if frame[column].notna().any()]
+        if not carried:
+            return typical
+        host_speed = carried[0]
+    if host_speed not in HOST_PROBES:
+        raise SimulateError(f"simulate.host_speed: {host_speed!r} is not one of auto, none, {', '.join(HOST_PROBES)}")
+    return frame[f"host_scale_{host_speed}"]
+
+
+def host_scale_column(probe_us):
+    """Each row's host slowness: its host probe (occult.sweep's `host_probe_us`, a fixed pure-Python
+    loop, or `host_launch_us`, 20 tiny launches, each timed before every step: the host's speed then)
+    over the median probe of the set's rows; 1 for a row without the probe (older sweeps), i.e. a
+    host of typical speed. On the lent H200 machines both probes move between processes and within
+    one, and host-bound layers with them (results/nvidia-h200/host_probe_v1, sweeps_v32, sweeps_v33)."""
+    probe = probe_us.astype(float)
+    valid = probe[np.isfinite(probe) & (probe > 0)]
+    if valid.empty:
+        return probe.fillna(0.0) * 0.0 + 1.0
+    return (probe / float(valid.median())).where(np.isfinite(probe) & (probe > 0), 1.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1151,12 +1194,19 @@ class MeasuredPoint:
     def measured_ms(self) -> float:
         return float(self.row.median_ms)
 
+    @property
+    def host_scale(self) -> float:
+        """The host's slowness when this row ran (1: typical, or not probed): `host_scale_column`."""
+        value = float(getattr(self.row, "host_scale", 1.0))
+        return value if math.isfinite(value) and value > 0 else 1.0
+
     def kernel_gflop(self) -> float:
         """Forward GFLOP of the busiest device's expert call (the kernel curve's abscissa)."""
         return float(np.mean([t.pairs_in_D.max() for t in self.chunks])) * expert_flops_per_pair(self.shape) / 1e9
 
     def components(self, cost: CostModel) -> dict[str, float]:
-        out = point_components(self.chunks, self.shape, self.spec.name, self.pass_, cost, int(self.row.tokens_per_gpu))
+        out = point_components(self.chunks, self.shape, self.spec.name, self.pass_, cost, int(self.row.tokens_per_gpu),
+                               host_scale=self.host_scale)
         out["row_work"] = float(np.mean([t.row_work_D.max() for t in self.chunks]))
         return out
 
@@ -1311,8 +1361,9 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
                 chosen = [p for p in group if p.num_devices == num_devices]
                 gpu = np.array([p.components(cost)["gpu_ms"] for p in chosen])
                 shared = shared_host_array(chosen, cost)
-                pre, post, _ = fit_host(gpu, np.array([p.measured_ms for p in chosen]), shared)
-                fits[num_devices] = (pre, post, gpu - shared, len(chosen))
+                scale = host_scale_array(chosen)
+                pre, post, _ = fit_host(gpu, np.array([p.measured_ms for p in chosen]), shared, scale)
+                fits[num_devices] = (pre, post, gpu / scale - shared, len(chosen))
             host.update(host_terms(family, pass_, fits))
     return dataclasses.replace(cost, host=host)
 
@@ -1320,6 +1371,11 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
 def shared_host_array(points: Sequence[MeasuredPoint], cost: CostModel) -> np.ndarray:
     """Each point's known host time of launching its shared expert (0 without one)."""
     return np.array([cost.shared_host_ms(p.shape, p.pass_) for p in points])
+
+
+def host_scale_array(points: Sequence[MeasuredPoint]) -> np.ndarray:
+    """Each point's host slowness (`MeasuredPoint.host_scale`)."""
+    return np.array([p.host_scale for p in points])
 
 
 def calibrate_kernel_floor(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
@@ -1381,9 +1437,10 @@ def calibrate_per_expert(points: Sequence[MeasuredPoint], cost: CostModel) -> Co
     base = {d: gpu(0.0, d) for d in by_d}
     unit = {d: gpu(1.0, d) - base[d] for d in by_d}
     shared = {d: shared_host_array(by_d[d], cost) for d in by_d}
+    scale = {d: host_scale_array(by_d[d]) for d in by_d}
 
     def loss(rate: float) -> float:
-        return sum(fit_host(base[d] + rate * unit[d], measured[d], shared[d])[2] * len(by_d[d]) for d in by_d)
+        return sum(fit_host(base[d] + rate * unit[d], measured[d], shared[d], scale[d])[2] * len(by_d[d]) for d in by_d)
 
     rates = np.concatenate([[0.0], np.geomspace(0.25, 64.0, 25)])
     best = int(np.argmin([loss(r) for r in rates]))
@@ -1401,9 +1458,10 @@ def calibrate_naive(points: Sequence[MeasuredPoint], cost: CostModel, pass_: str
                          for p in ps]) - base[d] for d, ps in by_d.items()}
     measured = {d: np.array([p.measured_ms for p in ps]) for d, ps in by_d.items()}
     shared = {d: shared_host_array(ps, cost) for d, ps in by_d.items()}
+    scale = {d: host_scale_array(ps) for d, ps in by_d.items()}
 
     def loss(rate: float) -> tuple[float, dict[int, tuple[float, float, float]]]:
-        fits = {d: fit_host(base[d] + rate * unit[d], measured[d], shared[d]) for d in by_d}
+        fits = {d: fit_host(base[d] + rate * unit[d], measured[d], shared[d], scale[d]) for d in by_d}
         total = sum(fits[d][2] * len(by_d[d]) for d in by_d)
         return total, fits
 
@@ -1414,7 +1472,7 @@ def calibrate_naive(points: Sequence[MeasuredPoint], cost: CostModel, pass_: str
     rate = float(min(fine, key=lambda r: loss(r)[0]))
     _, fits = loss(rate)
     host = dict(cost.host)
-    host.update(host_terms("naive", pass_, {d: (pre, post, base[d] + rate * unit[d] - shared[d], len(by_d[d]))
+    host.update(host_terms("naive", pass_, {d: (pre, post, (base[d] + rate * unit[d]) / scale[d] - shared[d], len(by_d[d]))
                                             for d, (pre, post, _) in fits.items()}))
     return dataclasses.replace(cost, naive_ns_per_pair={**cost.naive_ns_per_pair, pass_: rate}, host=host)
 
@@ -1457,7 +1515,7 @@ def validation_table(points: Sequence[MeasuredPoint], cost: CostModel, tolerance
             "routing": row.routing, "D": p.num_devices, "tokens_per_gpu": int(row.tokens_per_gpu),
             "batch": row.batch, "measured_ms": p.measured_ms, "p10_ms": row.p10_ms, "p90_ms": row.p90_ms,
             "predicted_ms": predicted, "rel_err": err, "within_tolerance": bool(abs(err) <= tolerance),
-            "bound": bound, **{k: parts.get(k, float("nan")) for k in COMPONENTS},
+            "bound": bound, **{k: parts.get(k, float("nan")) for k in COMPONENTS}, "host_scale": p.host_scale,
             "replicates": len(replicates), "replicate_ratio": ratio, "reachable": bool(ratio <= reachable_ratio),
             "measured_ct": row.mean_devices_per_token, "trace_ct": parts.get("mean_devices_per_token"),
             "measured_bytes_sent": row.bytes_sent, "trace_bytes_sent": parts.get("trace_bytes_sent"),
@@ -1576,6 +1634,8 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
     measured = {name: read_measured(files, calibration, settings.folders,
                                     "simulate" if name == "current" else f"simulate.history.{name}")
                 for name, files, calibration in settings.sets()}
+    for frame in measured.values():
+        frame["host_scale"] = host_scale_of_set(frame, getattr(settings, "host_speed", "auto"))
     keys = {(s, "synthetic") for s in settings.shapes}
     for frame in measured.values():
         keys |= {(s, r) for s, r in zip(frame["shape"], frame["routing"]) if r != "trace"}

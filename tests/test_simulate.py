@@ -26,6 +26,8 @@ from occult.simulate import (
     cost_summary,
     design_alltoall_curve,
     fit_host,
+    host_scale_column,
+    host_scale_of_set,
     host_terms,
     kernel_rows,
     layer_time,
@@ -193,6 +195,40 @@ def test_fit_host_recovers_known_terms_and_splits_only_what_it_can():
     assert terms[("occult", "fwd", 2)].pre_ms + terms[("occult", "fwd", 2)].post_ms == pytest.approx(3.0, abs=0.01)
     assert terms[("occult", "fwd", 2)].pre_ms / 3.0 == pytest.approx(0.7 / 1.9, abs=0.01)
     assert "split of D=1" in terms[("occult", "fwd", 2)].source
+
+
+def test_host_terms_scale_with_the_host_probe(tmp_path):
+    """A slower host (s > 1) stretches pre, post and the shared-expert launches, never the GPU time;
+    fit_host recovers the typical host's terms from points measured on hosts of different speeds
+    (and misfits them when told every host was typical)."""
+    cost = tiny_cost(tmp_path)
+    eager = method_spec("occult")
+    slow = layer_time(0.3, eager, "fwd", 2, cost, shared_host_ms=0.2, host_scale=2.0)
+    assert slow["layer_ms"] == pytest.approx(2 * 0.5 + 2 * (1.0 + 0.2))
+    assert (slow["host_pre_ms"], slow["host_post_ms"], slow["host_shared_ms"]) == pytest.approx((1.0, 2.0, 0.4))
+    assert layer_time(4.0, eager, "fwd", 2, cost, host_scale=2.0)["layer_ms"] == pytest.approx(1.0 + 4.0)
+    gpu = np.array([0.1, 0.5, 2.0, 4.0, 8.0, 0.1, 0.5])
+    scale = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.8, 1.8])
+    measured = scale * 0.7 + np.maximum(scale * 1.2, gpu)
+    pre, post, loss = fit_host(gpu, measured, host_scale=scale)
+    assert pre == pytest.approx(0.7, abs=0.005) and post == pytest.approx(1.2, abs=0.005) and loss < 1e-5
+    assert fit_host(gpu, measured)[2] > 1e-3
+
+
+def test_host_scale_is_the_probe_over_the_sets_median_and_auto_prefers_the_launch_probe():
+    frame = pd.DataFrame({"host_probe_us": [200.0, 400.0, np.nan, 300.0],
+                          "host_launch_us": [np.nan, np.nan, np.nan, np.nan]})
+    np.testing.assert_allclose(host_scale_column(frame["host_probe_us"]), [200 / 300, 400 / 300, 1.0, 1.0])
+    np.testing.assert_allclose(host_scale_column(frame["host_launch_us"]), [1.0] * 4)     # no probe: typical
+    for name, column in (("python", "host_probe_us"), ("launch", "host_launch_us")):
+        frame[f"host_scale_{name}"] = host_scale_column(frame[column])
+    np.testing.assert_allclose(host_scale_of_set(frame, "auto"), frame["host_scale_python"])   # only Python probed
+    np.testing.assert_allclose(host_scale_of_set(frame, "none"), [1.0] * 4)
+    frame["host_launch_us"] = [100.0, 150.0, 200.0, np.nan]
+    frame["host_scale_launch"] = host_scale_column(frame["host_launch_us"])
+    np.testing.assert_allclose(host_scale_of_set(frame, "auto"), [100 / 150, 1.0, 200 / 150, 1.0])
+    with pytest.raises(SimulateError, match="host_speed"):
+        host_scale_of_set(frame, "cpu")
 
 
 def test_static_and_recorded_traffic():
