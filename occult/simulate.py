@@ -1016,7 +1016,9 @@ def host_scale_of_set(frame, host_speed: str):
     """The `host_scale` of a set's rows: 1 for `none` (every row on a typical host), the named probe's
     `host_scale_column`, or for `auto` the first probe of HOST_PROBES that some row of the set carries
     (the launch probe tracked the eager layer's host time best: docs/simulator.md)."""
-    typical = frame["host_probe_us"].astype(float).fillna(0.0) * 0.0 + 1.0
+    import pandas as pd
+
+    typical = pd.Series(1.0, index=frame.index)
     if host_speed == "none":
         return typical
     if host_speed == "auto":
@@ -1035,10 +1037,12 @@ def host_scale_column(probe_us):
     over the median probe of the set's rows; 1 for a row without the probe (older sweeps), i.e. a
     host of typical speed. On the lent H200 machines both probes move between processes and within
     one, and host-bound layers with them (results/nvidia-h200/host_probe_v1, sweeps_v32, sweeps_v33)."""
+    import pandas as pd
+
     probe = probe_us.astype(float)
     valid = probe[np.isfinite(probe) & (probe > 0)]
     if valid.empty:
-        return probe.fillna(0.0) * 0.0 + 1.0
+        return pd.Series(1.0, index=probe.index)
     return (probe / float(valid.median())).where(np.isfinite(probe) & (probe > 0), 1.0)
 
 
