@@ -4,7 +4,8 @@ Runs, for `--seconds`, rounds of three host-side workloads back to back on one G
 CSV row per round (monotonic time stamp, microseconds of each):
   * `python_us`: a fixed pure-Python loop (`occult.sweep.host_probe_us`, no torch, no GPU): the
     CPU's single-thread speed;
-  * `launch_us`: `--launches` tiny CUDA kernels issued without a sync: the driver's launch path;
+  * `launch_us`: `--launches` tiny CUDA kernels issued without a sync (`occult.sweep.host_launch_us`):
+    the driver's launch path;
   * `layer_us`:  one eager `occult.ep.ep_moe` call at D = 1 (decode batch, DeepSeek-MoE shape by
     default, no sync inside the call), the GPU drained before it, as `occult.sweep` times a step.
 If `layer_us` moves with `python_us` over time, the sweeps' host-bound points move with the CPU
@@ -44,7 +45,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from occult.ep import ep_moe
-    from occult.sweep import host_probe_us
+    from occult.sweep import host_launch_us, host_probe_us
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -55,7 +56,6 @@ def main() -> int:
     w_gate_up = (torch.randn(args.experts, 2 * args.ffn, args.hidden, generator=gen, device=device) * 0.02).to(dtype)
     w_down = (torch.randn(args.experts, args.hidden, args.ffn, generator=gen, device=device) * 0.02).to(dtype)
     placement = torch.zeros(args.experts, dtype=torch.long)
-    scratch = torch.zeros(16, device=device)
 
     def layer() -> None:
         with torch.no_grad():
@@ -69,16 +69,12 @@ def main() -> int:
     while time.monotonic() - start < args.seconds:
         python_us = host_probe_us(args.python_iters)
         torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        for _ in range(args.launches):
-            scratch.add_(1.0)
-        t3 = time.perf_counter()
-        torch.cuda.synchronize()
+        launch_us = host_launch_us(device, args.launches)     # drains its launches itself
         t4 = time.perf_counter()
         layer()
         t5 = time.perf_counter()
         torch.cuda.synchronize()
-        rows.append((round(time.monotonic() - start, 4), round(python_us, 1), round(1e6 * (t3 - t2), 1),
+        rows.append((round(time.monotonic() - start, 4), round(python_us, 1), round(launch_us, 1),
                      round(1e6 * (t5 - t4), 1), current_cpu()))
     tmp = args.out.with_suffix(".tmp")
     with tmp.open("w", newline="") as fh:
