@@ -2,14 +2,15 @@
 
 if __name__ != "occult.kernels":
     # This directory is also importable as a top-level `kernels` whenever the repository root is on
-    # sys.path (`python -m` or pytest from the root), and transformers imports a top-level `kernels` to
-    # probe for the Hugging Face package of that name. A second copy would register the custom ops
-    # again and take them over, so that autograd-recording calls ran the copy's launchers (its own
-    # forced configs and launch records). The name is made an alias of the one package instead.
+    # sys.path (`python -m` or pytest from the root). That name belongs to the Hugging Face package
+    # `kernels` (transformers >= 5.25 requires it and imports it), so the name is handed to it when it
+    # is installed. Otherwise it becomes an alias of occult.kernels: a second copy of this directory
+    # would register the custom ops again and take them over, so that autograd-recording calls ran the
+    # copy's launchers (its own forced configs and launch records).
     import importlib as _importlib
     import sys as _sys
 
-    _sys.modules[__name__] = _importlib.import_module("occult.kernels")
+    _sys.modules[__name__] = _importlib.import_module("occult._top_level_kernels").resolve(__name__, __file__)
 else:
     from .combine import combine
     from .grouped_down_reduce import grouped_down_reduce
