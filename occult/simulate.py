@@ -431,9 +431,25 @@ class CostModel:
     shared_scale: dict[str, float] = dataclasses.field(default_factory=dict)
     # pass -> host ms per op the shared expert launches (`shared_host_per_launch`; none measured: 0)
     shared_host_per_launch_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    # pass -> shape name -> the shared expert's host ms as measured for that shape (`shared_host_per_launch`)
+    shared_host_by_shape_ms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # (pass, D) -> host ms of launching a CUDA-graph replay, before its GPU work starts
+    # (`graph_replay_host`; no `host_ms` in the calibration: 0)
+    graph_host_ms: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+
+    def graph_host_for(self, pass_: str, num_devices: int) -> float:
+        """The replay launch's host ms at this D, else at the largest calibrated D below it, else 0."""
+        known = sorted(d for p, d in self.graph_host_ms if p == pass_ and d <= num_devices)
+        return self.graph_host_ms[(pass_, known[-1])] if known else 0.0
 
     def shared_host_ms(self, shape: MoEShape, pass_: str) -> float:
-        """Host time of launching the shared expert(s) of `shape` eagerly (after the layer's sync)."""
+        """Host time of launching the shared expert(s) of `shape` eagerly (after the layer's sync): as
+        measured for this shape where the A/B has it, else its launches × the pass's ms per launch."""
+        if not shape.shared_ffn:
+            return 0.0
+        measured = self.shared_host_by_shape_ms.get(pass_, {})
+        if shape.name in measured:
+            return measured[shape.name]
         return shared_launches(shape, pass_) * self.shared_host_per_launch_ms.get(pass_, 0.0)
 
     def shared_ms(self, shape: MoEShape, tokens_per_gpu: float, pass_: str) -> float:
@@ -591,9 +607,14 @@ def layer_time(gpu_ms: float, spec: MethodSpec, pass_: str, num_devices: int, co
                shared_host_ms: float = 0.0, host_scale: float = 1.0) -> dict[str, float]:
     """`t = s·pre + max(s·(post + S), G)` for eager layers (S: launching the shared expert, which the
     sweep runs eagerly after the layer; s: the host's slowness when the point ran, 1 = the typical
-    host, `host_scale_column`), `t = G` for graph replay and kernels alone."""
-    if spec.family in ("occult-graph", "occult-compute"):
+    host, `host_scale_column`); `t = s·r + max(s·S, G)` for a graph replay (r: launching the replay,
+    on the critical path before its GPU work; the shared expert is launched eagerly after it);
+    `t = G` for the kernels alone."""
+    if spec.family == "occult-compute":
         return {"host_pre_ms": 0.0, "host_post_ms": 0.0, "host_shared_ms": 0.0, "layer_ms": gpu_ms}
+    if spec.family == "occult-graph":
+        pre, shared = host_scale * cost.graph_host_for(pass_, num_devices), host_scale * shared_host_ms
+        return {"host_pre_ms": pre, "host_post_ms": 0.0, "host_shared_ms": shared, "layer_ms": pre + max(shared, gpu_ms)}
     host = cost.host_for(spec.family, pass_, num_devices)
     if host is None:
         return {"host_pre_ms": float("nan"), "host_post_ms": float("nan"), "host_shared_ms": float("nan"),
@@ -985,7 +1006,7 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
         if frame.empty:
             raise SimulateError(f"{field}.measured: {text!r} selects no ok, step-timed Occult / naive row")
         for column in ("batch", "p10_ms", "p90_ms", "bytes_sent", "mean_devices_per_token", "pairs_received_max",
-                       "shared_ffn", "commit", *HOST_PROBES.values()):
+                       "shared_ffn", "commit", "host_ms", *HOST_PROBES.values()):
             if column not in frame.columns:
                 frame[column] = np.nan
         if "routing" not in frame.columns:
@@ -999,8 +1020,8 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
                          for m, t in zip(frame["method"], frame["tokens_per_gpu"])]
         frames.append(frame)
     columns = [*MEASURED_COLUMNS, "batch", "p10_ms", "p90_ms", "bytes_sent", "mean_devices_per_token",
-               "pairs_received_max", "shared_ffn", "commit", *HOST_PROBES.values(), "routing", "source", "role",
-               *(f"host_scale_{name}" for name in HOST_PROBES)]
+               "pairs_received_max", "shared_ffn", "commit", "host_ms", *HOST_PROBES.values(), "routing", "source",
+               "role", *(f"host_scale_{name}" for name in HOST_PROBES)]
     if not frames:
         return pd.DataFrame(columns=columns)
     out = pd.concat(frames, ignore_index=True)
@@ -1055,12 +1076,16 @@ SHARED_AB_METHOD = "occult-graph"      # graph replays: GPU time only, no host t
 SHARED_AB_MIN_TOKENS = 4096            # smaller calls are a latency-bound chain of small kernels
 
 
-def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int = 0, folders: dict | None = None):
+def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int = 0, folders: dict | None = None,
+                    host_speed: str = "none"):
     """Per (kind, shape, D, tokens_per_gpu) measured both with and without the shared experts: the
     median `value` of the `occult-graph` rows (status ok) over the files with them (column `shared`)
     and over the files without (`noshared`); points of ≥ `min_tokens` tokens/GPU.
 
-    Each pair is (file with the shapes' shared experts, file without), run on one machine start."""
+    Each pair is (file with the shapes' shared experts, file without), run on one machine start, in
+    two processes. With `host_speed` other than `none`, each row's `value` (a host time) is divided
+    by its host slowness over the pair's two files (`host_scale_of_set`; rows without probes: 1), so
+    that the difference is not the two processes' host speeds."""
     import pandas as pd
 
     from occult.config import expand_folders
@@ -1079,7 +1104,16 @@ def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int 
             if frame.empty:
                 raise SimulateError(f"{field}: {path} has no {SHARED_AB_METHOD} rows "
                                     f"{'with' if role == 'shared' else 'without'} shared experts")
-            frames[role].append(frame)
+            frames[role].append(frame.assign(pair=i))
+        if host_speed != "none":
+            scaled = pd.concat([frames["shared"][-1], frames["noshared"][-1]], ignore_index=True)
+            for name, column in HOST_PROBES.items():
+                if column not in scaled:
+                    scaled[column] = np.nan
+                scaled[f"host_scale_{name}"] = host_scale_column(scaled[column])
+            scaled[value] = scaled[value] / host_scale_of_set(scaled, host_speed).to_numpy()
+            n = len(frames["shared"][-1])
+            frames["shared"][-1], frames["noshared"][-1] = scaled.iloc[:n], scaled.iloc[n:]
     both = pd.concat([pd.concat(frames[role]).groupby(key)[value].median().rename(role)
                       for role in ("shared", "noshared")], axis=1, join="inner").reset_index()
     both = both[both["tokens_per_gpu"] >= min_tokens]
@@ -1105,19 +1139,25 @@ def shared_scales(pairs: Sequence[Sequence[str]], dense_tflops: float, hbm_bytes
     return per_pass_median(points, "ratio"), points
 
 
-def shared_host_per_launch(pairs: Sequence[Sequence[str]], folders: dict | None = None
-                           ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-    """Host ms per op the shared expert launches, per pass (median over points): the A/B difference
-    of the graph replays' host time (`host_ms`: the replay is one launch, the shared expert runs
-    eagerly after it) over `shared_launches`, at every size. Also returns the points."""
+def shared_host_per_launch(pairs: Sequence[Sequence[str]], folders: dict | None = None, host_speed: str = "none"
+                           ) -> tuple[dict[str, float], dict[str, dict[str, float]], list[dict[str, Any]]]:
+    """The shared expert's host time from the A/B difference of the graph replays' host time
+    (`host_ms`: the replay is one launch, the shared expert runs eagerly after it), at every size,
+    each row at its host's speed when `host_speed` is not `none`: per pass, ms per op it launches
+    (`shared_launches`; median over points), and per pass and shape, its ms (median over the shape's
+    points). Also returns the points. Ops of one shape cost different host times (a linear more than
+    an add), so a measured shape takes its own time and the per-op rate prices the others."""
     points = []
-    for row in shared_ab_table(pairs, "host_ms", 0, folders).itertuples(index=False):
+    for row in shared_ab_table(pairs, "host_ms", 0, folders, host_speed).itertuples(index=False):
         pass_ = pass_of(row.kind)
         launches = shared_launches(get_shape(row.shape), pass_)
         points.append({"pass": pass_, "shape": row.shape, "D": int(row.D), "tokens_per_gpu": int(row.tokens_per_gpu),
                        "host_ms": row.shared - row.noshared, "launches": launches,
                        "ms_per_launch": (row.shared - row.noshared) / launches})
-    return per_pass_median(points, "ms_per_launch"), points
+    by_shape = {p: {s: float(np.median([q["host_ms"] for q in points if q["pass"] == p and q["shape"] == s]))
+                    for s in sorted({q["shape"] for q in points if q["pass"] == p})}
+                for p in sorted({q["pass"] for q in points})}
+    return per_pass_median(points, "ms_per_launch"), by_shape, points
 
 
 def per_pass_median(points: Sequence[dict[str, Any]], field: str) -> dict[str, float]:
@@ -1173,10 +1213,11 @@ def build_cost_model(settings: Any) -> CostModel:
     pairs = getattr(settings, "shared_ab", ())
     folders = getattr(settings, "folders", {})
     scale = shared_scales(pairs, settings.dense_tflops, hbm_bytes_per_ms, folders)[0] if pairs else {}
-    host = shared_host_per_launch(pairs, folders)[0] if pairs else {}
+    host_speed = getattr(settings, "host_speed", "auto")
+    per_launch, by_shape, _ = shared_host_per_launch(pairs, folders, host_speed) if pairs else ({}, {}, [])
     return CostModel(link, None, None, grouped_gemm_curves(settings.gemm_csv, settings.gemm_min_rows_per_expert),
                      settings.dense_tflops, hbm_bytes_per_ms=hbm_bytes_per_ms, shared_scale=scale,
-                     shared_host_per_launch_ms=host)
+                     shared_host_per_launch_ms=per_launch, shared_host_by_shape_ms=by_shape)
 
 
 @dataclass
@@ -1203,6 +1244,18 @@ class MeasuredPoint:
         """The host's slowness when this row ran (1: typical, or not probed): `host_scale_column`."""
         value = float(getattr(self.row, "host_scale", 1.0))
         return value if math.isfinite(value) and value > 0 else 1.0
+
+    @property
+    def host_ms(self) -> float:
+        """The row's measured host time per call (occult.sweep's `host_ms`; NaN where not recorded)."""
+        value = getattr(self.row, "host_ms", float("nan"))
+        return float(value) if value is not None and value == value else float("nan")
+
+    def graph_host_ms(self, cost: CostModel) -> float:
+        """The replay launch's host time at this row's host speed (graph replays; else 0)."""
+        if self.spec.family != "occult-graph":
+            return 0.0
+        return self.host_scale * cost.graph_host_for(self.pass_, self.num_devices)
 
     def kernel_gflop(self) -> float:
         """Forward GFLOP of the busiest device's expert call (the kernel curve's abscissa)."""
@@ -1315,7 +1368,8 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
             if len(train_curve.x) >= 2:        # sizes apart: the backward's own curve, not one ratio
                 by_ffn = {f: c for f, c in curves_by_ffn(train).items() if len(c.x) >= 2}
                 cost = dataclasses.replace(cost, kernel_train_tflops=train_curve, kernel_train_tflops_by_ffn=by_ffn)
-    # 2. Occult's other GPU work, from graph replays (no host time in them)
+    # 2. Occult's other GPU work, from graph replays less their launch's host time
+    cost = graph_replay_host(calib, cost)
     if cost.kernel_tflops is not None:
         graphs = [p for p in calib if p.spec.family == "occult-graph" and p.pass_ == "fwd"]
         measured_range = [p for p in graphs if p.kernel_gflop() >= cost.kernel_curve(p.shape.ffn).x[0] * (1 - 1e-9)]
@@ -1323,7 +1377,7 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
         graphs = measured_range or graphs
         if graphs:
             zero = dataclasses.replace(cost, other_gpu=OtherGpuTerms(0.0, 0.0, 1.0, 0))
-            residual = np.array([p.measured_ms - p.components(zero)["gpu_ms"] for p in graphs])
+            residual = np.array([p.measured_ms - p.graph_host_ms(cost) - p.components(zero)["gpu_ms"] for p in graphs])
             rows = np.array([p.components(zero)["row_work"] for p in graphs])
             measured = np.array([p.measured_ms for p in graphs])
             fixed, per_row_ms = fit_linear_nonnegative(residual, rows, measured)
@@ -1331,7 +1385,8 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
             trains = [p for p in calib if p.spec.family == "occult-graph" and p.pass_ == "train"]
             if trains and cost.kernel_train_scale is not None:
                 zero_train = dataclasses.replace(cost, other_gpu=OtherGpuTerms(0.0, 0.0, 0.0, 0))
-                residual = np.array([p.measured_ms - p.components(zero_train)["gpu_ms"] for p in trains])
+                residual = np.array([p.measured_ms - p.graph_host_ms(cost) - p.components(zero_train)["gpu_ms"]
+                                     for p in trains])
                 rows = np.array([p.components(zero_train)["row_work"] for p in trains])
                 factors = residual / (fixed + rows * per_row_ms)
                 terms = dataclasses.replace(terms, train_factor=max(float(np.median(factors)), 0.0))
@@ -1372,6 +1427,21 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
     return dataclasses.replace(cost, host=host)
 
 
+def graph_replay_host(calib: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
+    """The host time of launching a graph replay per (pass, D): the median over the calibration's graph
+    rows that recorded `host_ms` of host_ms / s − S (s: the row's host slowness; S: its shared
+    expert's eager launches, which follow the replay). It precedes the replay's GPU work, so it adds
+    to the step (results/nvidia-h200/sweeps_v33: OLMoE's replays took 0.05 ms longer in the process
+    whose host_ms was 0.05 ms longer)."""
+    found = {}
+    for key in sorted({(p.pass_, p.num_devices) for p in calib if p.spec.family == "occult-graph" and p.pass_ == "fwd"}):
+        values = [p.host_ms / p.host_scale - cost.shared_host_ms(p.shape, p.pass_) for p in calib
+                  if p.spec.family == "occult-graph" and (p.pass_, p.num_devices) == key and math.isfinite(p.host_ms)]
+        if values:
+            found[key] = max(float(np.median(values)), 0.0)
+    return dataclasses.replace(cost, graph_host_ms={**cost.graph_host_ms, **found})
+
+
 def shared_host_array(points: Sequence[MeasuredPoint], cost: CostModel) -> np.ndarray:
     """Each point's known host time of launching its shared expert (0 without one)."""
     return np.array([cost.shared_host_ms(p.shape, p.pass_) for p in points])
@@ -1389,7 +1459,7 @@ def calibrate_kernel_floor(points: Sequence[MeasuredPoint], cost: CostModel) -> 
     for p in points:
         parts = p.components(dataclasses.replace(cost, kernel_floor_ms=0.0))
         weights = point_weight_ms(p, "fwd", cost.hbm_bytes_per_ms)
-        floors.append(p.measured_ms - (parts["gpu_ms"] - parts["kernels_ms"]) - weights)
+        floors.append(p.measured_ms - p.graph_host_ms(cost) - (parts["gpu_ms"] - parts["kernels_ms"]) - weights)
     return dataclasses.replace(cost, kernel_floor_ms=max(float(np.median(floors)), 0.0))
 
 
@@ -1609,6 +1679,8 @@ def cost_summary(cost: CostModel) -> dict[str, Any]:
         "kernel_floor_ms": cost.kernel_floor_ms,
         "shared_expert_scale_by_pass": cost.shared_scale or None,
         "shared_expert_host_ms_per_launch_by_pass": cost.shared_host_per_launch_ms or None,
+        "shared_expert_host_ms_by_pass_and_shape": cost.shared_host_by_shape_ms or None,
+        "graph_replay_host_ms": {f"{p}/D={d}": v for (p, d), v in sorted(cost.graph_host_ms.items())} or None,
         "shared_expert_launches": {s: {p: shared_launches(get_shape(s), p) for p in PASSES}
                                    for s in ("qwen", "deepseek")},
         "hbm_gbps": cost.hbm_bytes_per_ms * 1e3 / 1e9 if math.isfinite(cost.hbm_bytes_per_ms) else None,

@@ -3,6 +3,7 @@ host/GPU time terms and their fits, monotonicity, the validation table (roles, r
 sweep's placement reproduced, and bad inputs named."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -18,6 +19,7 @@ from occult.simulate import (
     HostTerms,
     LinkModel,
     LogLogCurve,
+    MeasuredPoint,
     OtherGpuTerms,
     ShapeTraces,
     SimulateError,
@@ -26,6 +28,7 @@ from occult.simulate import (
     cost_summary,
     design_alltoall_curve,
     fit_host,
+    graph_replay_host,
     host_scale_column,
     host_scale_of_set,
     host_terms,
@@ -778,21 +781,31 @@ def test_shared_expert_launches_are_counted_on_the_sweeps_module():
 
 def test_shared_expert_host_is_measured_per_launch_and_added_after_the_sync(tmp_path):
     """Host ms per launch from the graph replays' host_ms A/B (every size, eager rows not read);
-    an eager layer pays it after its sync (`pre + max(post + S, G)`), a graph replay does not, and
-    the host fit takes each point's S as known."""
+    an eager layer pays it after its sync (`pre + max(post + S, G)`), a graph replay where it outlasts
+    the GPU work, and the host fit takes each point's S as known."""
     pair = shared_ab_files(tmp_path, {"fwd": 1.0, "train": 1.0}, host_per_launch={"fwd": 0.012, "train": 0.021})
-    per_launch, points = shared_host_per_launch([pair])
+    per_launch, by_shape, points = shared_host_per_launch([pair])
     assert per_launch == pytest.approx({"fwd": 0.012, "train": 0.021})
+    assert by_shape.keys() == {"fwd", "train"} and by_shape["fwd"].keys() == by_shape["train"].keys() == {"qwen"}
+    assert (by_shape["fwd"]["qwen"], by_shape["train"]["qwen"]) == pytest.approx((13 * 0.012, 48 * 0.021))
     assert sorted({p["tokens_per_gpu"] for p in points}) == [1024, 4096, 8192, 16384]
     cost = build_cost_model(settings(shared_ab=(tuple(pair),)))
-    qwen = get_shape("qwen")
+    qwen, deepseek = get_shape("qwen"), get_shape("deepseek")
     assert cost.shared_host_ms(qwen, "fwd") == pytest.approx(13 * 0.012)
     assert cost.shared_host_ms(get_shape("olmoe"), "train") == 0.0
+    # a shape the A/B did not measure: its own launches at the pass's rate
+    assert cost.shared_host_ms(deepseek, "fwd") == pytest.approx(shared_launches(deepseek, "fwd") * 0.012)
+    # a measured shape takes its own time, whatever its launch count says
+    other = dataclasses.replace(cost, shared_host_by_shape_ms={"fwd": {"qwen": 0.5}})
+    assert other.shared_host_ms(qwen, "fwd") == 0.5 and other.shared_host_ms(qwen, "train") == pytest.approx(48 * 0.021)
     assert cost_summary(cost)["shared_expert_host_ms_per_launch_by_pass"] == pytest.approx(per_launch)
+    assert cost_summary(cost)["shared_expert_host_ms_by_pass_and_shape"] == by_shape
     host = dataclasses.replace(cost, host={("occult", "fwd", 1): HostTerms(0.2, 0.3, 1, "test")})
     eager = layer_time(0.1, method_spec("occult"), "fwd", 1, host, shared_host_ms=0.156)
     assert eager["layer_ms"] == pytest.approx(0.2 + 0.3 + 0.156) and eager["host_shared_ms"] == 0.156
-    assert layer_time(0.1, method_spec("occult-graph"), "fwd", 1, host, shared_host_ms=0.156)["layer_ms"] == 0.1
+    # a graph replay (no replay launch term here) hides it behind its GPU time, unless it is longer
+    assert layer_time(0.2, method_spec("occult-graph"), "fwd", 1, host, shared_host_ms=0.156)["layer_ms"] == 0.2
+    assert layer_time(0.1, method_spec("occult-graph"), "fwd", 1, host, shared_host_ms=0.156)["layer_ms"] == 0.156
     # a host-bound shape with a shared expert beside one without: S known, pre and post come back
     gpu = np.array([0.1, 0.1, 0.3, 2.0, 0.1, 2.0])
     shared = np.array([0.0, 0.0, 0.0, 0.0, 0.4, 0.4])
@@ -800,6 +813,67 @@ def test_shared_expert_host_is_measured_per_launch_and_added_after_the_sync(tmp_
     pre, post, loss = fit_host(gpu, measured, shared)
     assert (pre, post) == pytest.approx((0.25, 0.35), abs=2e-3) and loss < 1e-5
     assert fit_host(gpu, measured)[2] > 1e-3                  # without S one (pre, post) fits neither shape
+
+
+def test_shared_expert_host_ab_is_taken_at_each_process_host_speed(tmp_path):
+    """The A/B's two processes ran on hosts of different speed (the lent machines' CPU moves): the
+    process without the shared expert ran 1.5x slower, and its probes say so. Unscaled, the difference
+    loses that slowness; scaled by each row's probe over the pair's median, it is the shared expert's
+    host time at the pair's median speed. Files without probes are read at scale 1."""
+    shape = get_shape("qwen")
+    launches = shared_launches(shape, "fwd")
+    files = []
+    for shared, slowness, probe in ((True, 1.0, 200.0), (False, 1.5, 300.0)):
+        rows = [{"kind": "decode", "shape": "qwen", "method": "occult-graph", "D": 1, "tokens_per_gpu": t,
+                 "median_ms": 0.3, "host_ms": slowness * (0.03 + (launches * 0.015 if shared else 0.0)),
+                 "host_launch_us": probe, "host_probe_us": 1000.0, "shared_ffn": shape.shared_ffn if shared else 0}
+                for t in (1, 8, 64, 512, 4096)]
+        files.append(measured_csv(tmp_path / f"probed_{shared}.csv", rows))
+    true_ms = launches * 0.015
+    none = shared_host_per_launch([files], host_speed="none")[1]["fwd"]["qwen"]
+    assert none == pytest.approx(true_ms - 0.015)
+    for speed in ("launch", "auto"):   # the median probe is 250: the shared process ran at 200/250
+        assert shared_host_per_launch([files], host_speed=speed)[1]["fwd"]["qwen"] == pytest.approx(true_ms * 1.25)
+    # the Python probe did not move here: no correction
+    assert shared_host_per_launch([files], host_speed="python")[1]["fwd"]["qwen"] == pytest.approx(none)
+    unprobed = [measured_csv(tmp_path / f"plain_{i}.csv", pd.read_csv(f).drop(columns=["host_launch_us", "host_probe_us"]).to_dict("records"))
+                for i, f in enumerate(files)]
+    assert shared_host_per_launch([unprobed], host_speed="auto")[1]["fwd"]["qwen"] == pytest.approx(none)
+    cost = build_cost_model(settings(shared_ab=(tuple(files),), host_speed="launch"))
+    assert cost.shared_host_ms(shape, "fwd") == pytest.approx(true_ms * 1.25)
+
+
+def graph_point(shape: str, host_ms: float, scale: float = 1.0, pass_: str = "fwd", num_devices: int = 1,
+                family_method: str = "occult-graph") -> MeasuredPoint:
+    row = SimpleNamespace(D=num_devices, median_ms=1.0, tokens_per_gpu=8, host_ms=host_ms, host_scale=scale,
+                          role="calibration")
+    return MeasuredPoint(row, method_spec(family_method), get_shape(shape), pass_, [], "test")
+
+
+def test_a_graph_replay_pays_its_launch_and_the_eager_shared_expert_on_the_host():
+    """`t = s·r + max(s·S, G)`: the replay's launch precedes its GPU work; the shared expert, launched
+    eagerly after it, hides behind G unless its host time is longer. r comes from the calibration's
+    forward graph rows (host_ms at the row's host speed, less S); training rows, whose host time
+    overlaps the GPU, and rows without host_ms do not count."""
+    cost = CostModel(None, None, None, {}, 760, graph_host_ms={("fwd", 1): 0.05})
+    graph = method_spec("occult-graph")
+    assert layer_time(0.3, graph, "fwd", 1, cost, 0.0, 2.0)["layer_ms"] == pytest.approx(0.1 + 0.3)
+    out = layer_time(0.3, graph, "fwd", 1, cost, 0.2, 2.0)
+    assert out["layer_ms"] == pytest.approx(0.1 + 0.4) and out["host_pre_ms"] == pytest.approx(0.1)
+    assert layer_time(0.3, graph, "fwd", 2, cost, 0.0)["layer_ms"] == pytest.approx(0.35)   # D=1's term at D=2
+    assert layer_time(0.3, graph, "train", 1, cost, 0.0)["layer_ms"] == pytest.approx(0.3)  # none for training
+    assert layer_time(0.3, method_spec("occult-compute"), "fwd", 1, cost, 0.2, 2.0)["layer_ms"] == 0.3
+
+    base = CostModel(None, None, None, {}, 760, shared_host_by_shape_ms={"fwd": {"qwen": 0.2}})
+    points = [graph_point("olmoe", 0.05 * s, s) for s in (1.6, 1.4, 1.0)]        # unscaled, the median moves
+    points += [graph_point("qwen", (0.05 + 0.2) * s, s) for s in (1.3, 1.5, 1.0, 1.2)]   # without S, too
+    points += [graph_point("olmoe", 0.9, 1.0, pass_="train"), graph_point("olmoe", float("nan")),
+               graph_point("olmoe", 0.7, 1.0, family_method="occult")]
+    fitted = graph_replay_host(points, base)
+    assert fitted.graph_host_ms.keys() == {("fwd", 1)} and fitted.graph_host_ms[("fwd", 1)] == pytest.approx(0.05)
+    assert fitted.graph_host_for("fwd", 2) == pytest.approx(0.05) and fitted.graph_host_for("train", 1) == 0.0
+    assert graph_replay_host([graph_point("olmoe", float("nan"))], base).graph_host_ms == {}
+    assert cost_summary(fitted)["graph_replay_host_ms"] == {"fwd/D=1": pytest.approx(0.05)}
 
 
 def test_bad_shared_ab_inputs_are_named(tmp_path):
@@ -816,6 +890,6 @@ def test_bad_shared_ab_inputs_are_named(tmp_path):
     small.to_csv(tmp_path / "small.csv", index=False)
     with pytest.raises(SimulateError, match="no .* of >= 4096 tokens/GPU is measured both"):
         shared_scales([[shared, str(tmp_path / "small.csv")]], 760, 4300e9 / 1e3)
-    assert shared_host_per_launch([[shared, str(tmp_path / "small.csv")]])[0]["fwd"] > 0   # every size counts
+    assert shared_host_per_launch([[shared, str(tmp_path / "small.csv")]])[0]["fwd"] > 0    # every size counts
     with pytest.raises(SimulateError, match=r"shared_ab\[0\]: .*nowhere.csv does not exist"):
         shared_scales([[str(tmp_path / "nowhere.csv"), plain]], 760, 4300e9 / 1e3)
