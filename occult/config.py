@@ -125,6 +125,7 @@ class SimulateConfig:
     dense_tflops: float
     tolerance: float
     hbm_gbps: float | None = None       # HBM bandwidth: floor of the kernels' weight reads (None: no floor)
+    kernel_stream_gbps: float | None = None   # small Occult expert calls' weight streaming (None: hbm_gbps)
     folders: dict = dataclasses.field(default_factory=dict)   # name -> folder, written `$name` in entries
     history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
     shared_ab: tuple = ()               # ([file with shared experts, file without], ...): the shared expert's cost

@@ -414,6 +414,9 @@ class CostModel:
     dense_tflops: float
     hbm_bytes_per_ms: float = math.inf                  # weight reads of small batches (None in config: no floor)
     kernel_floor_ms: float = 0.0                # Occult expert kernels' latency floor above their weight reads
+    # the rate at which latency-bound (small) Occult expert calls stream their weights (`streaming_rate`;
+    # inf: at hbm_bytes_per_ms)
+    kernel_stream_bytes_per_ms: float = math.inf
     other_gpu: OtherGpuTerms | None = None
     naive_ns_per_pair: dict[str, float] = dataclasses.field(default_factory=dict)   # pass -> ns at D = 1
     pe_per_row_ns: float | None = None          # per_expert rows' other GPU work (None: the dedup rate)
@@ -441,6 +444,11 @@ class CostModel:
         """The replay launch's host ms at this D, else at the largest calibrated D below it, else 0."""
         known = sorted(d for p, d in self.graph_host_ms if p == pass_ and d <= num_devices)
         return self.graph_host_ms[(pass_, known[-1])] if known else 0.0
+
+    @property
+    def stream_bytes_per_ms(self) -> float:
+        """Weight-streaming rate of latency-bound expert calls: measured, else the HBM rate."""
+        return self.kernel_stream_bytes_per_ms if math.isfinite(self.kernel_stream_bytes_per_ms) else self.hbm_bytes_per_ms
 
     def shared_host_ms(self, shape: MoEShape, pass_: str) -> float:
         """Host time of launching the shared expert(s) of `shape` eagerly (after the layer's sync): as
@@ -553,6 +561,7 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
     active_D = (np.full(num_devices, local_experts) if traffic_.active_experts_D is None
                 else traffic_.active_experts_D)
     floor_D = np.array([weight_read_ms(a, shape, pass_, cost.hbm_bytes_per_ms) for a in active_D])
+    stream_D = np.array([weight_read_ms(a, shape, pass_, cost.stream_bytes_per_ms) for a in active_D])
     if spec.family == "naive":
         curve = cost.grouped_tflops.get((pass_, shape.name))
         if curve is None:
@@ -577,9 +586,10 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
             if train:
                 kernels_D = kernels_D * (cost.kernel_train_scale or float("nan"))
         kernels_D = kernels_D + floor_D
-        # below the smallest measured call the chain of expert kernels is latency-bound: weight reads
-        # plus a fixed floor (fitted on graph replays smaller than any `-compute` row)
-        kernels_D = np.maximum(kernels_D, floor_D + cost.kernel_floor_ms * WEIGHT_PASSES[pass_])
+        # below the smallest measured call the chain of expert kernels is latency-bound: weights
+        # streamed at the small calls' measured rate plus a fixed floor (fitted on graph replays
+        # smaller than any `-compute` row)
+        kernels_D = np.maximum(kernels_D, stream_D + cost.kernel_floor_ms * WEIGHT_PASSES[pass_])
         terms = cost.other_gpu or OtherGpuTerms(0.0, 0.0, 1.0, 0)
         per_row_ns = cost.pe_per_row_ns if spec.mode == "per_expert" and cost.pe_per_row_ns is not None else None
         other_D = terms.at(traffic_.row_work_D, train, per_row_ns)
@@ -1210,6 +1220,8 @@ def build_cost_model(settings: Any) -> CostModel:
     )
     hbm = getattr(settings, "hbm_gbps", None)
     hbm_bytes_per_ms = math.inf if hbm is None else hbm * 1e9 / 1e3
+    stream = getattr(settings, "kernel_stream_gbps", None)
+    stream_bytes_per_ms = math.inf if stream is None else stream * 1e9 / 1e3
     pairs = getattr(settings, "shared_ab", ())
     folders = getattr(settings, "folders", {})
     scale = shared_scales(pairs, settings.dense_tflops, hbm_bytes_per_ms, folders)[0] if pairs else {}
@@ -1217,6 +1229,7 @@ def build_cost_model(settings: Any) -> CostModel:
     per_launch, by_shape, _ = shared_host_per_launch(pairs, folders, host_speed) if pairs else ({}, {}, [])
     return CostModel(link, None, None, grouped_gemm_curves(settings.gemm_csv, settings.gemm_min_rows_per_expert),
                      settings.dense_tflops, hbm_bytes_per_ms=hbm_bytes_per_ms, shared_scale=scale,
+                     kernel_stream_bytes_per_ms=stream_bytes_per_ms,
                      shared_host_per_launch_ms=per_launch, shared_host_by_shape_ms=by_shape)
 
 
@@ -1454,11 +1467,14 @@ def host_scale_array(points: Sequence[MeasuredPoint]) -> np.ndarray:
 
 def calibrate_kernel_floor(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
     """The expert kernels' latency floor (ms above their weight reads): the median over forward
-    graph replays smaller than every `-compute` calibration row of what the other terms leave."""
+    graph replays smaller than every `-compute` calibration row of what the other terms leave. Rows
+    of shapes without a shared expert are used where there are any: a replay followed by the shared
+    expert's eager launches can be host-bound at these sizes, and its time then says nothing of G."""
     floors = []
-    for p in points:
+    plain = [p for p in points if not p.shape.shared_ffn]
+    for p in plain or points:
         parts = p.components(dataclasses.replace(cost, kernel_floor_ms=0.0))
-        weights = point_weight_ms(p, "fwd", cost.hbm_bytes_per_ms)
+        weights = point_weight_ms(p, "fwd", cost.stream_bytes_per_ms)
         floors.append(p.measured_ms - p.graph_host_ms(cost) - (parts["gpu_ms"] - parts["kernels_ms"]) - weights)
     return dataclasses.replace(cost, kernel_floor_ms=max(float(np.median(floors)), 0.0))
 

@@ -478,11 +478,16 @@ def test_weights_set_a_floor_under_small_batches():
     latency = dataclasses.replace(cost, kernel_floor_ms=0.1)
     assert gpu_components(one, shape, spec, "fwd", latency, 1)["kernels_ms"] == pytest.approx(floor + 0.1)
     assert gpu_components(one, shape, spec, "train", latency, 1)["kernels_ms"] == pytest.approx(3 * (floor + 0.1))
+    # small calls stream their weights at their own measured rate (kernel_stream_bytes_per_ms), below HBM's
+    streamed = dataclasses.replace(latency, kernel_stream_bytes_per_ms=2e9)
+    assert gpu_components(one, shape, spec, "fwd", streamed, 1)["kernels_ms"] == pytest.approx(2 * floor + 0.1)
+    assert streamed.stream_bytes_per_ms == 2e9 and latency.stream_bytes_per_ms == 4e9
     many = traffic(np.random.default_rng(0).integers(0, 64, (65536, 8)), np.zeros(64, dtype=np.int64), 1, "dedup",
                    shape.hidden)
     flops_ms = 65536 * 8 * 6 * shape.hidden * shape.ffn / 400e12 * 1e3
     # large calls: the math dominates; the weights are read once more on top of it
     assert gpu_components(many, shape, spec, "fwd", cost, 65536)["kernels_ms"] == pytest.approx(flops_ms + 64 * floor / 8)
+    assert gpu_components(many, shape, spec, "fwd", streamed, 65536)["kernels_ms"] == pytest.approx(flops_ms + 64 * floor / 8)
 
 
 def test_per_expert_rows_get_their_own_rate_and_history_sets_validate_apart(tmp_path):
@@ -562,6 +567,30 @@ def test_kernel_floor_and_train_other_work_come_from_calibration_rows_only(tmp_p
     pd.DataFrame([{"shape": "tiny", "rows_per_expert": 64, "pass": "fwd", "tflops": 1.0}]).to_csv(bad, index=False)
     with pytest.raises(SimulateError, match=r"simulate.gemm_csv: .*gemm.csv lacks column\(s\) experts, hidden, ffn"):
         build_cost_model(settings(gemm_csv=str(bad)))
+
+
+def test_kernel_floor_prefers_shapes_without_a_shared_expert(tmp_path):
+    """A small replay followed by the shared expert's eager launches can be host-bound; the latency
+    floor then comes from the shapes without one (here `tiny`, where `tiny-shared`'s small replays
+    are 1 ms slower), and from the others only when no such shape was measured."""
+    def floor(shapes):
+        rows = []
+        for name in shapes:
+            for t in (16, 256, 1024, 4096):
+                slow = 1.0 if name == "tiny-shared" and t == 16 else 0.0
+                rows.append({"kind": "prefill", "shape": name, "method": "occult-graph", "D": 2, "tokens_per_gpu": t,
+                             "median_ms": 0.15 + t / 20000 + slow})
+                if t >= 256:
+                    rows.append({"kind": "prefill", "shape": name, "method": "occult-compute", "D": 2, "tokens_per_gpu": t,
+                                 "median_ms": 0.001 + t / 100000, "pairs_received_max": 2 * t})
+        path = measured_csv(tmp_path / f"{'_'.join(shapes)}.csv", rows)
+        cfg = settings(shapes=shapes, measured=(path,), calibration=(path,))
+        traces = {n: ShapeTraces(get_shape(n), cfg.pool_tokens, 0) for n in shapes}
+        return validate(cfg, traces, build_cost_model(cfg), read_measured(cfg.measured, cfg.calibration))[1].kernel_floor_ms
+
+    plain, both, shared_only = floor(("tiny",)), floor(("tiny", "tiny-shared")), floor(("tiny-shared",))
+    assert plain > 0 and both == pytest.approx(plain, abs=0.01)      # not the median with +1 ms
+    assert shared_only > plain + 0.5
 
 
 def test_predictions_on_a_recorded_trace(tmp_path):
