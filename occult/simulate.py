@@ -1034,13 +1034,20 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
                "role", *(f"host_scale_{name}" for name in HOST_PROBES)]
     if not frames:
         return pd.DataFrame(columns=columns)
-    out = pd.concat(frames, ignore_index=True)
-    for name, column in HOST_PROBES.items():
-        out[f"host_scale_{name}"] = host_scale_column(out[column])
-    return out[columns]
+    return with_host_scales(pd.concat(frames, ignore_index=True))[columns]
 
 
 HOST_PROBES = {"launch": "host_launch_us", "python": "host_probe_us"}   # simulate.host_speed -> sweep column
+
+
+def with_host_scales(frame):
+    """`frame` with a `host_scale_<probe>` column per HOST_PROBES entry (`host_scale_column` over
+    these rows; a probe column the rows lack is added as NaN, giving scale 1)."""
+    for name, column in HOST_PROBES.items():
+        if column not in frame:
+            frame[column] = np.nan
+        frame[f"host_scale_{name}"] = host_scale_column(frame[column])
+    return frame
 
 
 def host_scale_of_set(frame, host_speed: str):
@@ -1116,11 +1123,7 @@ def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int 
                                     f"{'with' if role == 'shared' else 'without'} shared experts")
             frames[role].append(frame.assign(pair=i))
         if host_speed != "none":
-            scaled = pd.concat([frames["shared"][-1], frames["noshared"][-1]], ignore_index=True)
-            for name, column in HOST_PROBES.items():
-                if column not in scaled:
-                    scaled[column] = np.nan
-                scaled[f"host_scale_{name}"] = host_scale_column(scaled[column])
+            scaled = with_host_scales(pd.concat([frames["shared"][-1], frames["noshared"][-1]], ignore_index=True))
             scaled[value] = scaled[value] / host_scale_of_set(scaled, host_speed).to_numpy()
             n = len(frames["shared"][-1])
             frames["shared"][-1], frames["noshared"][-1] = scaled.iloc[:n], scaled.iloc[n:]
@@ -1261,8 +1264,8 @@ class MeasuredPoint:
     @property
     def host_ms(self) -> float:
         """The row's measured host time per call (occult.sweep's `host_ms`; NaN where not recorded)."""
-        value = getattr(self.row, "host_ms", float("nan"))
-        return float(value) if value is not None and value == value else float("nan")
+        value = float(getattr(self.row, "host_ms", math.nan))
+        return value if math.isfinite(value) else math.nan
 
     def graph_host_ms(self, cost: CostModel) -> float:
         """The replay launch's host time at this row's host speed (graph replays; else 0)."""
