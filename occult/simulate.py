@@ -414,8 +414,8 @@ class CostModel:
     dense_tflops: float
     hbm_bytes_per_ms: float = math.inf                  # weight reads of small batches (None in config: no floor)
     kernel_floor_ms: float = 0.0                # Occult expert kernels' latency floor above their weight reads
-    # the rate at which latency-bound (small) Occult expert calls stream their weights (`streaming_rate`;
-    # inf: at hbm_bytes_per_ms)
+    # the rate at which latency-bound (small) Occult expert calls stream their weights
+    # (simulate.kernel_stream_gbps; inf: at hbm_bytes_per_ms)
     kernel_stream_bytes_per_ms: float = math.inf
     other_gpu: OtherGpuTerms | None = None
     naive_ns_per_pair: dict[str, float] = dataclasses.field(default_factory=dict)   # pass -> ns at D = 1
@@ -1121,7 +1121,7 @@ def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int 
             if frame.empty:
                 raise SimulateError(f"{field}: {path} has no {SHARED_AB_METHOD} rows "
                                     f"{'with' if role == 'shared' else 'without'} shared experts")
-            frames[role].append(frame.assign(pair=i))
+            frames[role].append(frame)
         if host_speed != "none":
             scaled = with_host_scales(pd.concat([frames["shared"][-1], frames["noshared"][-1]], ignore_index=True))
             scaled[value] = scaled[value] / host_scale_of_set(scaled, host_speed).to_numpy()
