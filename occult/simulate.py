@@ -403,6 +403,12 @@ class OtherGpuTerms:
         return (self.fixed_ms + rows * rate * 1e-6) * factor
 
 
+def calibrated_d(known: Sequence[int], num_devices: int) -> int | None:
+    """`num_devices` where calibrated, else the largest calibrated D below it, else None."""
+    below = [d for d in known if d <= num_devices]
+    return max(below) if below else None
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Every measured parameter of the time model; host/other-GPU terms are filled by `calibrate`."""
@@ -439,11 +445,19 @@ class CostModel:
     # (pass, D) -> host ms of launching a CUDA-graph replay, before its GPU work starts
     # (`graph_replay_host`; no `host_ms` in the calibration: 0)
     graph_host_ms: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)
+    # (family, kind, D, shape name) -> that shape's host ms above (or below) its family's eager terms
+    # at the same D, at the typical host speed (`calibrate_shape_host`; not calibrated: 0)
+    host_shape_ms: dict[tuple[str, str, int, str], float] = dataclasses.field(default_factory=dict)
 
     def graph_host_for(self, pass_: str, num_devices: int) -> float:
         """The replay launch's host ms at this D, else at the largest calibrated D below it, else 0."""
-        known = sorted(d for p, d in self.graph_host_ms if p == pass_ and d <= num_devices)
-        return self.graph_host_ms[(pass_, known[-1])] if known else 0.0
+        d = calibrated_d([d for p, d in self.graph_host_ms if p == pass_], num_devices)
+        return 0.0 if d is None else self.graph_host_ms[(pass_, d)]
+
+    def host_shape_for(self, family: str, kind: str, num_devices: int, shape: str) -> float:
+        """The shape's host offset at the D whose family terms `host_for` uses (none: 0)."""
+        d = calibrated_d([d for f, p, d in self.host if f == family and p == pass_of(kind)], num_devices)
+        return 0.0 if d is None else self.host_shape_ms.get((family, kind, d, shape), 0.0)
 
     @property
     def stream_bytes_per_ms(self) -> float:
@@ -475,13 +489,11 @@ class CostModel:
     def host_for(self, family: str, pass_: str, num_devices: int) -> HostTerms | None:
         """The calibrated terms at this D, else at the largest calibrated D below it (documented
         assumption for D > 2: the same collectives and one sync per call), else None."""
-        known = sorted(d for f, p, d in self.host if f == family and p == pass_ and d <= num_devices)
-        if not known:
+        d = calibrated_d([d for f, p, d in self.host if f == family and p == pass_], num_devices)
+        if d is None:
             return None
-        terms = self.host[(family, pass_, known[-1])]
-        if known[-1] == num_devices:
-            return terms
-        return dataclasses.replace(terms, source=f"D={known[-1]} terms ({terms.source})")
+        terms = self.host[(family, pass_, d)]
+        return terms if d == num_devices else dataclasses.replace(terms, source=f"D={d} terms ({terms.source})")
 
     def missing(self, spec: MethodSpec, pass_: str, num_devices: int) -> str | None:
         """None, or which measured parameter this method lacks."""
@@ -614,9 +626,12 @@ def gpu_components(traffic_: Traffic, shape: MoEShape, spec: MethodSpec, pass_: 
 
 
 def layer_time(gpu_ms: float, spec: MethodSpec, pass_: str, num_devices: int, cost: CostModel,
-               shared_host_ms: float = 0.0, host_scale: float = 1.0) -> dict[str, float]:
-    """`t = s·pre + max(s·(post + S), G)` for eager layers (S: launching the shared expert, which the
-    sweep runs eagerly after the layer; s: the host's slowness when the point ran, 1 = the typical
+               shared_host_ms: float = 0.0, host_scale: float = 1.0, shape: str | None = None,
+               kind: str | None = None) -> dict[str, float]:
+    """`t = s·(pre + h) + max(s·(post + S), G)` for eager layers (S: launching the shared expert, which
+    the sweep runs eagerly after the layer; h: the host offset of `shape` in sweeps of `kind`,
+    `calibrate_shape_host`, 0 where either is None; where h < −pre, pre is 0 and post takes the rest;
+    s: the host's slowness when the point ran, 1 = the typical
     host, `host_scale_column`); `t = s·r + max(s·S, G)` for a graph replay (r: launching the replay,
     on the critical path before its GPU work; the shared expert is launched eagerly after it);
     `t = G` for the kernels alone."""
@@ -629,7 +644,10 @@ def layer_time(gpu_ms: float, spec: MethodSpec, pass_: str, num_devices: int, co
     if host is None:
         return {"host_pre_ms": float("nan"), "host_post_ms": float("nan"), "host_shared_ms": float("nan"),
                 "layer_ms": float("nan")}
-    pre, post, shared = host_scale * host.pre_ms, host_scale * host.post_ms, host_scale * shared_host_ms
+    offset = 0.0 if shape is None or kind is None else cost.host_shape_for(spec.family, kind, num_devices, shape)
+    pre = host.pre_ms + offset          # a negative offset larger than pre takes the rest from post
+    post = max(host.post_ms + min(pre, 0.0), 0.0)
+    pre, post, shared = host_scale * max(pre, 0.0), host_scale * post, host_scale * shared_host_ms
     return {"host_pre_ms": pre, "host_post_ms": post, "host_shared_ms": shared,
             "layer_ms": pre + max(post + shared, gpu_ms)}
 
@@ -833,13 +851,15 @@ def predict_recorded(profile_dir: Path, trace_name: str, shape_name: str, layers
 
 def point_components(chunks: Sequence[Traffic], shape: MoEShape, method: str, pass_: str, cost: CostModel,
                      tokens_per_gpu: float, link_gpus_per_node: int | None = None,
-                     host_scale: float = 1.0) -> dict[str, float]:
-    """Predicted terms of one layer (mean over trace chunks) and the traffic facts."""
+                     host_scale: float = 1.0, kind: str | None = None) -> dict[str, float]:
+    """Predicted terms of one layer (mean over trace chunks) and the traffic facts (`kind`: the sweep
+    kind, for the shape's host offset)."""
     spec = method_spec(method)
     num_devices = chunks[0].num_devices
     parts = [gpu_components(t, shape, spec, pass_, cost, tokens_per_gpu) for t in chunks]
     out = {key: float(np.mean([p[key] for p in parts])) for key in parts[0]}
-    out.update(layer_time(out["gpu_ms"], spec, pass_, num_devices, cost, cost.shared_host_ms(shape, pass_), host_scale))
+    out.update(layer_time(out["gpu_ms"], spec, pass_, num_devices, cost, cost.shared_host_ms(shape, pass_), host_scale,
+                          shape.name, kind))
     pairs = np.stack([t.pairs_in_D for t in chunks])
     out["mean_devices_per_token"] = float(np.mean([t.mean_devices_per_token for t in chunks]))
     out["load_max_over_mean"] = float(np.mean(pairs.max(1) / np.maximum(pairs.mean(1), 1e-30)))
@@ -856,10 +876,10 @@ def point_components(chunks: Sequence[Traffic], shape: MoEShape, method: str, pa
 
 
 def simulate_point(traces: ShapeTraces, method: str, num_devices: int, tokens_per_gpu: int, pass_: str,
-                   cost: CostModel) -> dict[str, float]:
+                   cost: CostModel, kind: str | None = None) -> dict[str, float]:
     """Predicted terms and traffic facts of one layer of `method` on the trace."""
     chunks = traces.traffic_at(method, num_devices, tokens_per_gpu)
-    return point_components(chunks, traces.shape, method, pass_, cost, tokens_per_gpu)
+    return point_components(chunks, traces.shape, method, pass_, cost, tokens_per_gpu, kind=kind)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1279,7 +1299,7 @@ class MeasuredPoint:
 
     def components(self, cost: CostModel) -> dict[str, float]:
         out = point_components(self.chunks, self.shape, self.spec.name, self.pass_, cost, int(self.row.tokens_per_gpu),
-                               host_scale=self.host_scale)
+                               host_scale=self.host_scale, kind=self.row.kind)
         out["row_work"] = float(np.mean([t.row_work_D.max() for t in self.chunks]))
         return out
 
@@ -1440,7 +1460,27 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
                 pre, post, _ = fit_host(gpu, np.array([p.measured_ms for p in chosen]), shared, scale)
                 fits[num_devices] = (pre, post, gpu / scale - shared, len(chosen))
             host.update(host_terms(family, pass_, fits))
-    return dataclasses.replace(cost, host=host)
+    # 6. each measured shape's own host offset from its family's terms
+    return calibrate_shape_host(calib, dataclasses.replace(cost, host=host))
+
+
+def calibrate_shape_host(calib: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
+    """Per (family, sweep kind, D, shape): the median of (measured − predicted) / s over the shape's
+    host-bound eager calibration rows (s·(post + S) ≥ G). The family terms are one fit over every
+    shape, while each shape launches its own ops (results/nvidia-h200/host_probe_v2: the layer's host
+    time alone differs by 12–63 µs between shapes); the offset adds to `pre`, which every eager
+    point pays."""
+    residuals: dict[tuple[str, str, int, str], list[float]] = {}
+    for p in calib:
+        if p.spec.family not in EAGER_FAMILIES or cost.host_for(p.spec.family, p.pass_, p.num_devices) is None:
+            continue
+        parts = p.components(cost)
+        if parts["host_post_ms"] + parts["host_shared_ms"] < parts["gpu_ms"] * (1 - 1e-9):    # GPU-bound
+            continue
+        key = (p.spec.family, p.row.kind, p.num_devices, p.shape.name)
+        residuals.setdefault(key, []).append((p.measured_ms - parts["layer_ms"]) / p.host_scale)
+    return dataclasses.replace(cost, host_shape_ms={**cost.host_shape_ms,
+                                                    **{k: float(np.median(v)) for k, v in residuals.items()}})
 
 
 def graph_replay_host(calib: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
@@ -1658,7 +1698,7 @@ def predict(traces: dict[str, ShapeTraces], methods: Sequence[str], devices: Seq
                     if status is not None:
                         rows.append({**base, "status": status})
                         continue
-                    parts = simulate_point(shape_traces, method, num_devices, tokens, pass_, cost)
+                    parts = simulate_point(shape_traces, method, num_devices, tokens, pass_, cost, kind)
                     layer = parts["layer_ms"]
                     if method == "naive":
                         baseline = layer
@@ -1705,6 +1745,8 @@ def cost_summary(cost: CostModel) -> dict[str, Any]:
         "hbm_gbps": cost.hbm_bytes_per_ms * 1e3 / 1e9 if math.isfinite(cost.hbm_bytes_per_ms) else None,
         "naive_bytes_factor_D_gt_1": NAIVE_BYTES_EP / NAIVE_BYTES_D1,
         "host": {f"{f}/{p}/D={d}": dataclasses.asdict(h) for (f, p, d), h in sorted(cost.host.items())},
+        "host_offset_ms_by_shape": {f"{f}/{k}/D={d}/{s}": round(v, 4)
+                                    for (f, k, d, s), v in sorted(cost.host_shape_ms.items())} or None,
     }
 
 

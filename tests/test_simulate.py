@@ -48,6 +48,7 @@ from occult.simulate import (
     static_traffic,
     traffic,
     validate,
+    validation_table,
     weight_read_ms,
     wire_row_bytes,
 )
@@ -350,6 +351,49 @@ def test_rows_without_the_shared_experts_are_not_replicates_of_rows_with_them():
     assert replicate_key(row("occult", float("nan"))) == replicate_key(row("occult-nd1", shared))   # old files: with
 
 
+def test_each_shape_and_sweep_kind_gets_its_own_host_offset(tmp_path):
+    """The family's host terms are one fit over every shape and sweep kind of a pass; each (family,
+    kind, D, shape) then takes the median residual of its host-bound calibration rows as an offset
+    on `pre`. Here decode steps pay 0.25 ms more host than prefill calls: one (pre, post) misses both
+    kinds' validation rows, the offsets put each kind on its own level. Other shapes, kinds without
+    terms and D without calibration below them get no offset."""
+    rows = [{"kind": kind, "shape": "tiny", "method": method, "D": 1, "tokens_per_gpu": t,
+             "median_ms": 1.0 + (0.25 if kind == "decode" else 0.0)}
+            for kind in ("prefill", "decode") for method in ("occult", "naive") for t in (1, 4, 16)]
+    for t in (64, 256, 1024):       # the kernel curve and Occult's other GPU work
+        rows.append({"kind": "prefill", "shape": "tiny", "method": "occult-graph", "D": 2, "tokens_per_gpu": t,
+                     "median_ms": 0.01 + t / 20000})
+        rows.append({"kind": "prefill", "shape": "tiny", "method": "occult-compute", "D": 2, "tokens_per_gpu": t,
+                     "median_ms": 0.001 + t / 100000, "pairs_received_max": 2 * t})
+    path = measured_csv(tmp_path / "kinds.csv", rows)
+    cfg = settings(measured=(path,), calibration=(f"{path}@tokens_per_gpu=1,16,64,256,1024",),
+                   gemm_csv=gemm_csv(tmp_path / "gemm.csv"))
+    traces = {"tiny": ShapeTraces(get_shape("tiny"), cfg.pool_tokens, 0)}
+    table, fitted = validate(cfg, traces, build_cost_model(cfg), read_measured(cfg.measured, cfg.calibration))
+    for family in ("occult", "naive"):
+        decode, prefill = (fitted.host_shape_for(family, kind, 1, "tiny") for kind in ("decode", "prefill"))
+        assert decode - prefill == pytest.approx(0.25, abs=1e-9)
+        assert fitted.host_shape_for(family, "decode", 4, "tiny") == decode          # D=1's offset at D=4
+    assert fitted.host_shape_for("occult", "decode", 1, "olmoe") == 0.0
+    assert fitted.host_shape_for("occult", "train", 1, "tiny") == 0.0               # no training terms
+    summary = cost_summary(fitted)["host_offset_ms_by_shape"]
+    assert summary["occult/decode/D=1/tiny"] - summary["occult/prefill/D=1/tiny"] == pytest.approx(0.25, abs=1e-3)
+    checked = table[(table["role"] == "validation") & table["family"].isin(["occult", "naive"])]
+    assert len(checked) == 4 and np.allclose(checked["rel_err"], 0.0, atol=1e-6)
+    plain = dataclasses.replace(fitted, host_shape_ms={})
+    errors = validation_table(measured_points(read_measured(cfg.measured, cfg.calibration), traces)[0], plain,
+                              0.15)
+    errors = errors[(errors["role"] == "validation") & errors["family"].isin(["occult", "naive"])]
+    assert (errors["rel_err"].abs() > 0.05).all()
+    # a negative offset larger than pre takes the rest from post, and never takes either below zero
+    eager, terms = method_spec("occult"), {("occult", "fwd", 1): HostTerms(0.3, 1.0, 1, "test")}
+    for offset, pre, post in ((-0.5, 0.0, 0.8), (-100.0, 0.0, 0.0), (0.2, 0.5, 1.0)):
+        moved = dataclasses.replace(fitted, host=terms, host_shape_ms={("occult", "decode", 1, "tiny"): offset})
+        out = layer_time(0.1, eager, "fwd", 1, moved, shape="tiny", kind="decode")
+        assert (out["host_pre_ms"], out["host_post_ms"]) == pytest.approx((pre, post))
+        assert out["layer_ms"] == pytest.approx(pre + max(post, 0.1))
+
+
 def test_validation_points_do_not_move_the_calibration(tmp_path):
     """Changing a validation point's measurement changes its error, never the fitted terms."""
     fits = []
@@ -363,6 +407,7 @@ def test_validation_points_do_not_move_the_calibration(tmp_path):
         traces = {"tiny": ShapeTraces(get_shape("tiny"), cfg.pool_tokens, 0)}
         fits.append(validate(cfg, traces, build_cost_model(cfg), read_measured(cfg.measured, cfg.calibration))[1])
     assert fits[0].host == fits[1].host and fits[0].naive_ns_per_pair == fits[1].naive_ns_per_pair
+    assert fits[0].host_shape_ms == fits[1].host_shape_ms and fits[0].host_shape_ms
     assert fits[0].other_gpu == fits[1].other_gpu
 
 
