@@ -126,6 +126,7 @@ class SimulateConfig:
     tolerance: float
     hbm_gbps: float | None = None       # HBM bandwidth: floor of the kernels' weight reads (None: no floor)
     kernel_stream_gbps: float | None = None   # small Occult expert calls' weight streaming (None: hbm_gbps)
+    kernel_stream_csv: str | None = None      # or fitted from these calls measured (occult.simulate.fit_weight_streaming)
     folders: dict = dataclasses.field(default_factory=dict)   # name -> folder, written `$name` in entries
     history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
     shared_ab: tuple = ()               # ([file with shared experts, file without], ...): the shared expert's cost
@@ -148,7 +149,7 @@ class SimulateConfig:
         for name, measured, _ in self.sets():
             field = "simulate.measured" if name == "current" else f"simulate.history.{name}.measured"
             files += [self.expand(text, field).partition("@")[0] for text in measured]
-        files += [p for p in (self.alltoall_csv, self.gemm_csv) if p]
+        files += [p for p in (self.alltoall_csv, self.gemm_csv, self.kernel_stream_csv) if p]
         files += [self.expand(str(text), "simulate.shared_ab") for pair in self.shared_ab for text in pair]
         return list(dict.fromkeys(files))
 
@@ -310,6 +311,9 @@ def _check_semantics(cfg: Config) -> None:
         names = [entry["name"] for entry in cfg.simulate.history]
         if len(set(names)) != len(names) or "current" in names:
             raise ConfigError(f"simulate.history: set names must be unique and not 'current' (got {names})")
+        if cfg.simulate.kernel_stream_gbps is not None and cfg.simulate.kernel_stream_csv is not None:
+            raise ConfigError("simulate.kernel_stream_csv: set it or simulate.kernel_stream_gbps, not both "
+                              "(the rate is either fitted from the file or given)")
         cfg.simulate.input_files()      # every $folder is known
 
 

@@ -932,6 +932,33 @@ def alltoall_curves(path: str | Path | None) -> dict[int, LogLogCurve]:
     return curves
 
 
+def fit_weight_streaming(path: str | Path, max_tokens: int = 16,
+                         field: str = "simulate.kernel_stream_csv") -> list[dict[str, Any]]:
+    """Per shape, the rate at which decode-sized Occult expert calls stream their weights, from an
+    `occult.sweep` CSV of `occult-compute-graph` rows (the kernels alone) with uniform routing: each
+    row's expected active experts under uniform top-k, E·(1 − (1 − k/E)^T), times an expert's weight
+    bytes, and time = intercept + bytes / rate fitted over the rows of ≤ `max_tokens` tokens (before
+    every expert is active). Rows: shape, rate_gbps, intercept_ms, rows."""
+    frame = read_table(path, ("status", "method", "routing", "shape", "tokens_per_gpu", "median_ms"), field)
+    frame = frame[(frame["status"] == "ok") & (frame["method"] == "occult-compute-graph")
+                  & (frame["routing"] == "uniform") & (frame["tokens_per_gpu"] <= max_tokens)]
+    if frame.empty:
+        raise SimulateError(f"{field}: {path} has no ok occult-compute-graph rows with uniform routing "
+                            f"at ≤ {max_tokens} tokens")
+    fits = []
+    for name, rows in frame.groupby("shape"):
+        shape = get_shape(name)
+        tokens = rows["tokens_per_gpu"].to_numpy(float)
+        if len(np.unique(tokens)) < 2:
+            raise SimulateError(f"{field}: {path} has {name} rows at one size only: no streaming rate")
+        active = shape.num_experts * (1 - (1 - shape.top_k / shape.num_experts) ** tokens)
+        slope, intercept = np.polyfit(active * expert_weight_bytes(shape, shape.ffn), rows["median_ms"].to_numpy(float), 1)
+        if slope <= 0:
+            raise SimulateError(f"{field}: {path}: {name}'s time does not grow with its weight bytes")
+        fits.append({"shape": name, "rate_gbps": 1e-6 / slope, "intercept_ms": float(intercept), "rows": len(rows)})
+    return fits
+
+
 def grouped_gemm_curves(path: str | Path | None, min_rows_per_expert: int) -> dict[tuple[str, str], LogLogCurve]:
     """(pass, shape) -> grouped-GEMM TFLOP/s vs the call's forward GFLOP (experts × rows per expert ×
     2·3·d·F) from commbench's `gemm.csv`, from `min_rows_per_expert` up (smaller calls of the
@@ -1244,6 +1271,9 @@ def build_cost_model(settings: Any) -> CostModel:
     hbm = getattr(settings, "hbm_gbps", None)
     hbm_bytes_per_ms = math.inf if hbm is None else hbm * 1e9 / 1e3
     stream = getattr(settings, "kernel_stream_gbps", None)
+    stream_csv = getattr(settings, "kernel_stream_csv", None)
+    if stream_csv is not None:
+        stream = float(np.median([fit["rate_gbps"] for fit in fit_weight_streaming(stream_csv)]))
     stream_bytes_per_ms = math.inf if stream is None else stream * 1e9 / 1e3
     pairs = getattr(settings, "shared_ab", ())
     folders = getattr(settings, "folders", {})
@@ -1736,6 +1766,8 @@ def cost_summary(cost: CostModel) -> dict[str, Any]:
         "naive_ns_per_pair_D1": cost.naive_ns_per_pair,
         "per_expert_other_gpu_ns_per_row": cost.pe_per_row_ns,
         "kernel_floor_ms": cost.kernel_floor_ms,
+        "kernel_stream_gbps": (cost.kernel_stream_bytes_per_ms * 1e3 / 1e9
+                               if math.isfinite(cost.kernel_stream_bytes_per_ms) else None),
         "shared_expert_scale_by_pass": cost.shared_scale or None,
         "shared_expert_host_ms_per_launch_by_pass": cost.shared_host_per_launch_ms or None,
         "shared_expert_host_ms_by_pass_and_shape": cost.shared_host_by_shape_ms or None,

@@ -27,7 +27,9 @@ from occult.simulate import (
     build_cost_model,
     cost_summary,
     design_alltoall_curve,
+    expert_weight_bytes,
     fit_host,
+    fit_weight_streaming,
     graph_replay_host,
     host_scale_column,
     host_scale_of_set,
@@ -499,6 +501,54 @@ def test_config_folders_point_every_entry_at_one_run(tmp_path):
     raw["simulate"]["shared_ab"] = [["a.csv", "b.csv", "c.csv"]]
     with pytest.raises(ConfigError, match="simulate.shared_ab"):
         load_config(raw)
+    assert cfg.simulate.kernel_stream_csv in files                      # the streaming rate's file
+    raw = yaml.safe_load(open("config/config.yaml"))
+    raw["simulate"]["kernel_stream_gbps"] = 2600
+    with pytest.raises(ConfigError, match="simulate.kernel_stream_csv: set it or simulate.kernel_stream_gbps"):
+        load_config(raw)
+
+
+def streaming_csv(path, rates_gbps: dict[str, float], intercept_ms: float = 0.08, extra: list | None = None) -> str:
+    """`occult-compute-graph` uniform rows whose time is intercept + the expected active experts'
+    weight bytes / rate (1-16 tokens), plus a plateau row at 512 tokens that the fit must leave out."""
+    rows = []
+    for name, rate in rates_gbps.items():
+        shape = get_shape(name)
+        for tokens in (1, 2, 4, 8, 16, 512):
+            active = shape.num_experts * (1 - (1 - shape.top_k / shape.num_experts) ** tokens)
+            ms = intercept_ms + active * expert_weight_bytes(shape, shape.ffn) / (rate * 1e6)
+            rows.append({"status": "ok", "method": "occult-compute-graph", "routing": "uniform", "shape": name,
+                         "tokens_per_gpu": tokens, "median_ms": ms if tokens <= 16 else 0.4})
+    pd.DataFrame(rows + (extra or [])).to_csv(path, index=False)
+    return str(path)
+
+
+def test_the_streaming_rate_is_fitted_from_the_kernels_alone(tmp_path):
+    """fit_weight_streaming recovers each shape's rate and intercept from decode-sized rows only;
+    the cost model takes the median over shapes where simulate.kernel_stream_csv is set; rows of
+    another method, routing or status do not count; unusable files name the field and the file."""
+    other = {"status": "ok", "method": "occult-graph", "routing": "uniform", "shape": "olmoe", "tokens_per_gpu": 4,
+             "median_ms": 9.0}
+    path = streaming_csv(tmp_path / "k.csv", {"olmoe": 2600.0, "qwen": 2400.0, "deepseek": 2800.0}, extra=[other])
+    fits = {fit["shape"]: fit for fit in fit_weight_streaming(path)}
+    assert {s: f["rate_gbps"] for s, f in fits.items()} == pytest.approx({"olmoe": 2600, "qwen": 2400, "deepseek": 2800})
+    assert all(f["intercept_ms"] == pytest.approx(0.08) and f["rows"] == 5 for f in fits.values())
+    cost = build_cost_model(settings(kernel_stream_csv=path))
+    assert cost.kernel_stream_bytes_per_ms == pytest.approx(2600e9 / 1e3)
+    assert cost_summary(cost)["kernel_stream_gbps"] == pytest.approx(2600)
+    assert build_cost_model(settings(kernel_stream_gbps=3000)).kernel_stream_bytes_per_ms == pytest.approx(3000e6)
+    one_size = tmp_path / "one.csv"
+    pd.read_csv(path).query("tokens_per_gpu == 4 or tokens_per_gpu == 512").to_csv(one_size, index=False)
+    with pytest.raises(SimulateError, match=r"simulate.kernel_stream_csv: .*one.csv has deepseek rows at one size"):
+        fit_weight_streaming(one_size)
+    flat = tmp_path / "flat.csv"
+    pd.read_csv(path).assign(median_ms=0.3).to_csv(flat, index=False)
+    with pytest.raises(SimulateError, match="does not grow with its weight bytes"):
+        fit_weight_streaming(flat)
+    with pytest.raises(SimulateError, match="no ok occult-compute-graph rows with uniform routing"):
+        fit_weight_streaming(path, max_tokens=0)
+    with pytest.raises(SimulateError, match=r"simulate.kernel_stream_csv: .*missing.csv does not exist"):
+        build_cost_model(settings(kernel_stream_csv=str(tmp_path / "missing.csv")))
 
 
 def test_weights_set_a_floor_under_small_batches():
