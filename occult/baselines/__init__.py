@@ -167,23 +167,6 @@ class Method:
         return f"{type(self).__name__}()"
 
 
-class DeepSpeedMoE(Method):
-    """DeepSpeed-MoE: reported, never run (no adapter; see docs/baselines.md for why)."""
-
-    name = "deepspeed"
-
-    def available(self) -> tuple[bool, str]:
-        try:
-            importlib.import_module("deepspeed")
-        except Exception as err:  # noqa: BLE001 - any import failure is the reason
-            return False, import_error_text(err)
-        return False, ("deepspeed imports, but occult has no DeepSpeed-MoE adapter: its dispatch is a dense "
-                       "[tokens, E, capacity] einsum and it renormalises the top-k gates (docs/baselines.md)")
-
-    def setup(self, shape, group, dtype, device, weights) -> None:  # noqa: ANN001
-        raise MethodUnavailable(self.available()[1])
-
-
 # name -> (module, class); imported only when the method is made.
 METHOD_CLASSES: types.MappingProxyType[str, tuple[str, str]] = types.MappingProxyType({
     "megablocks": ("occult.baselines.megablocks", "MegaBlocksMoE"),
@@ -191,7 +174,7 @@ METHOD_CLASSES: types.MappingProxyType[str, tuple[str, str]] = types.MappingProx
     "naive": ("occult.baselines.naive", "NaiveEP"),
     "fsdp": ("occult.baselines.naive", "FSDPMoE"),
     "hf": ("occult.baselines.hf", "HFExperts"),
-    "deepspeed": ("occult.baselines", "DeepSpeedMoE"),
+    "deepspeed": ("occult.baselines.deepspeed", "DeepSpeedMoE"),
 })
 
 

@@ -3,7 +3,12 @@
 #   stanford-stk 0.7.1, grouped_gemm 0.3.0, megablocks 0.10.0 (`pip download --no-deps --no-binary
 #   :all:` them into SDIST_DIR). Tutel is not on PyPI: install it from its own repository as its
 #   README says; our adapter uses it whenever `import tutel` works.
-# Usage: build_baselines.sh SDIST_DIR [BUILD_DIR]
+# Also DeepSpeed 0.19.8 (pure Python; its C++/CUDA ops are left to its JIT, DS_BUILD_OPS=0): its sdist
+#   plus wheels of the requirements the CUDA image lacks, for that image's python (3.12), in SDIST_DIR:
+#   `pip download --no-deps deepspeed==0.19.8` and `pip download hjson pydantic --python-version 3.12
+#   --platform manylinux2014_x86_64 --only-binary=:all:` (pydantic, pydantic-core, annotated-types,
+#   typing-inspection, typing-extensions, hjson).
+# Usage: [BASELINES="megablocks deepspeed"] build_baselines.sh SDIST_DIR [BUILD_DIR]
 # Wheels: the built wheels are left in $BUILD_DIR/wheels. If WHEEL_CACHE names a folder holding
 # wheels of all three (built earlier by this script on the same image), they are installed instead
 # of building (≈5 s instead of ≈200 s).
@@ -21,6 +26,24 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p "$build"
 cd "$build"
 pip_install() { python3 -m pip install -q --no-deps --no-build-isolation --no-index "$@"; }
+baselines=${BASELINES:-megablocks deepspeed}
+start=$SECONDS
+
+if [[ " $baselines " == *" deepspeed "* ]]; then
+  if ls "$sdist"/deepspeed-*.tar.gz >/dev/null 2>&1; then
+    echo "== installing deepspeed"
+    ( pip_install "$sdist"/*.whl && DS_BUILD_OPS=0 pip_install "$sdist"/deepspeed-*.tar.gz ) \
+      || echo "build_baselines: FAILED to install deepspeed" >&2
+  else
+    echo "build_baselines: no deepspeed sdist in $sdist" >&2
+  fi
+fi
+if [[ " $baselines " != *" megablocks "* ]]; then
+  python3 -c "import deepspeed; print('import deepspeed: ok', deepspeed.__version__)" \
+    || echo "import deepspeed: FAILED"
+  echo "build_baselines: done in $((SECONDS - start)) s"
+  exit 0
+fi
 
 for archive in "$sdist"/stanford_stk-*.tar.gz "$sdist"/grouped_gemm-*.tar.gz "$sdist"/megablocks-*.tar.gz; do
   [ -e "$archive" ] || { echo "build_baselines: missing $archive" >&2; continue; }
@@ -37,7 +60,6 @@ for path in glob.glob("megablocks-*/csrc/cumsum.h"):
     print(f"patched {path}: {src.count('debug_synchronous')} -> {fixed.count('debug_synchronous')} mentions")
 PY
 
-start=$SECONDS
 if [ -n "$cache" ] && ls "$cache"/stanford_stk-*.whl "$cache"/grouped_gemm-*.whl "$cache"/megablocks-*.whl >/dev/null 2>&1; then
   echo "== installing cached wheels from $cache"
   pip_install "$cache"/stanford_stk-*.whl "$cache"/grouped_gemm-*.whl "$cache"/megablocks-*.whl \
@@ -53,7 +75,7 @@ else
 fi
 echo "build_baselines: done in $((SECONDS - start)) s"
 python3 - <<'PY'
-for name in ("stk", "grouped_gemm", "megablocks"):
+for name in ("stk", "grouped_gemm", "megablocks", "deepspeed"):
     try:
         mod = __import__(name)
         print(f"import {name}: ok ({getattr(mod, '__version__', '?')})")

@@ -9,7 +9,7 @@
 #   loses that shape's rows only.
 # SWEEP_GROUP_S (default 900): time limit of each process's torchrun.
 # SWEEP_TIMING (default step): occult.sweep --timing (step: from a drained GPU; stream: back to back).
-# Builds nothing: run workflow/scripts/build_baselines.sh first for MegaBlocks (Tutel: its own
+# Builds nothing: run workflow/scripts/build_baselines.sh first for MegaBlocks and DeepSpeed (Tutel: its own
 # install); missing baselines produce rows that say so.
 set -uo pipefail
 out=${1:?usage: gpu_sweeps.sh OUTDIR [KIND ...]}; shift
@@ -20,7 +20,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 gpus=$(visible_gpus)
 # Tutel runs in a process of its own: at 2^16 tokens it has hit an illegal memory access, which
 # ends the CUDA context of the process (results/nvidia-h200/README.md), so its prefill stops at 2^14.
-groups=("occult occult-balanced occult-graph occult-graph-balanced occult-nd2 occult-nd1 naive megablocks hf fsdp" "tutel")
+groups=("occult occult-balanced occult-graph occult-graph-balanced occult-nd2 occult-nd1 naive megablocks hf fsdp deepspeed" "tutel")
 for kind in $kinds; do
   for D in ${SWEEP_DS:-2 1}; do
     [ "$D" -le "$gpus" ] || continue
