@@ -18,15 +18,12 @@ logits (its own gate runs a [T, D] x [D, E] GEMM) and one [T, D] scale.
 
 from __future__ import annotations
 
-import importlib
-from importlib import metadata
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from occult.baselines import ExpertWeights, Method, MoEShape, contiguous_experts, import_error_text, world_and_rank
-from occult.baselines.tutel import TINY_WEIGHT
+from occult.baselines import ExpertWeights, MoEShape, contiguous_experts, world_and_rank
+from occult.baselines.given_routing import GivenRoutingMethod, given_routing_logits
 
 
 class SwiGLUExpert(torch.nn.Module):
@@ -55,14 +52,8 @@ def given_routing_gate(gate: torch.nn.Module) -> torch.nn.Module:
 
         def forward(self, input: torch.Tensor, used_token: torch.Tensor | None = None,  # noqa: A002 - DeepSpeed's name
                     sparse_routes: bool = False, use_tutel: bool = False):
-            ids_TK, weights_TK = getattr(self, "ids_TK", None), getattr(self, "weights_TK", None)
-            if ids_TK is None or weights_TK is None:
-                raise RuntimeError("deepspeed gate: route(ids_TK, weights_TK) was not called before the layer")
-            if ids_TK.shape[0] != input.shape[0]:
-                raise ValueError(f"deepspeed gate: routing has {ids_TK.shape[0]} tokens, input {input.shape[0]}")
-            logits = torch.full((input.shape[0], self.wg.out_features), float("-inf"), dtype=torch.float32,
-                                device=input.device)
-            logits = logits.scatter(1, ids_TK, torch.log(weights_TK.float().clamp_min(TINY_WEIGHT)))
+            logits = given_routing_logits(getattr(self, "ids_TK", None), getattr(self, "weights_TK", None),
+                                          self.wg.out_features, input, "deepspeed gate")
             capacity = self.capacity_factor if self.training else self.eval_capacity_factor
             if self.k == 1:
                 return sharded_moe.top1gating(logits, capacity, self.min_capacity, used_token, None, self.drop_tokens,
@@ -78,18 +69,12 @@ def given_routing_gate(gate: torch.nn.Module) -> torch.nn.Module:
     return gate
 
 
-class DeepSpeedMoE(Method):
+class DeepSpeedMoE(GivenRoutingMethod):
     """DeepSpeed's `MoE` layer with `SwiGLUExpert` experts and a given-routing gate; see the module doc."""
 
     name = "deepspeed"
-
-    def available(self) -> tuple[bool, str]:
-        try:
-            importlib.import_module("deepspeed")
-            importlib.import_module("deepspeed.moe.layer")
-        except Exception as err:  # noqa: BLE001 - any import failure is the reason
-            return False, import_error_text(err)
-        return True, f"deepspeed {metadata.version('deepspeed')}"
+    modules = ("deepspeed", "deepspeed.moe.layer")
+    distribution = "deepspeed"
 
     def setup(self, shape: MoEShape, group: dist.ProcessGroup | None, dtype: torch.dtype,
               device: torch.device, weights: ExpertWeights) -> None:
@@ -116,25 +101,10 @@ class DeepSpeedMoE(Method):
                 expert.w_down.copy_(w_down[i])
         self.layer = layer.to(device=device, dtype=dtype)
         self.gate = given_routing_gate(moe.gate)
-        self.element_size = w_down.element_size()
+        self.hidden, self.element_size = shape.hidden, w_down.element_size()
 
     def expert_parameters(self) -> list[torch.Tensor]:
         return list(self.layer.deepspeed_moe.experts.parameters())
 
-    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        self.gate.route(ids_TK, weights_TK)
-        try:
-            y_TD = self.layer(x_TD)[0]
-        finally:
-            self.gate.route(None, None)
-        scale_T1 = weights_TK.float().sum(dim=1, keepdim=True)
-        return (y_TD.float() * scale_T1).to(x_TD.dtype)
-
-    def bytes_sent(self, ids_TK: torch.Tensor) -> int | None:
-        """Padded dispatch buffer [E, capacity, D]: the (D-1)/D of it bound elsewhere, out and back."""
-        load_max = torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts).max()
-        if self.world > 1:
-            dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=self.group)
-        remote_experts = self.num_experts - self.num_experts // self.world
-        hidden = self.layer.deepspeed_moe.experts.deepspeed_experts[0].w_down.shape[0]
-        return 2 * remote_experts * int(load_max) * hidden * self.element_size
+    def run_layer(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return self.layer(x_TD)[0]         # (output, aux loss, expert counts)

@@ -18,16 +18,12 @@ all-to-all, expert GEMMs) is Tutel's own.
 
 from __future__ import annotations
 
-import importlib
-from importlib import metadata
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from occult.baselines import ExpertWeights, Method, MoEShape, contiguous_experts, import_error_text, world_and_rank
-
-TINY_WEIGHT = 1e-30   # a zero gate weight still has to win Tutel's top-k over the -inf logits
+from occult.baselines import ExpertWeights, MoEShape, contiguous_experts, world_and_rank
+from occult.baselines.given_routing import GivenRoutingMethod, given_routing_logits
 
 
 class GivenRoutingGate(torch.nn.Module):
@@ -48,36 +44,19 @@ class GivenRoutingGate(torch.nn.Module):
         self.ids_TK: torch.Tensor | None = None
         self.weights_TK: torch.Tensor | None = None
 
-    def route(self, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+    def route(self, ids_TK: torch.Tensor | None, weights_TK: torch.Tensor | None) -> None:
         self.ids_TK, self.weights_TK = ids_TK, weights_TK
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        if self.ids_TK is None or self.weights_TK is None:
-            raise RuntimeError("GivenRoutingGate: route(ids_TK, weights_TK) was not called before the layer")
-        if self.ids_TK.shape[0] != x_TD.shape[0]:
-            raise ValueError(f"GivenRoutingGate: routing has {self.ids_TK.shape[0]} tokens, input {x_TD.shape[0]}")
-        logits_TE = torch.full((x_TD.shape[0], self.num_global_experts), float("-inf"),
-                               dtype=torch.float32, device=x_TD.device)
-        log_w = torch.log(self.weights_TK.float().clamp_min(TINY_WEIGHT))
-        return logits_TE.scatter(1, self.ids_TK, log_w)
+        return given_routing_logits(self.ids_TK, self.weights_TK, self.num_global_experts, x_TD, "GivenRoutingGate")
 
 
-class TutelMoE(Method):
+class TutelMoE(GivenRoutingMethod):
     """Tutel's `moe_layer` with `llama_ffn` experts and `GivenRoutingGate`; see the module doc."""
 
     name = "tutel"
-
-    def available(self) -> tuple[bool, str]:
-        try:
-            importlib.import_module("tutel")
-            importlib.import_module("tutel.moe")
-        except Exception as err:  # noqa: BLE001 - any import failure is the reason
-            return False, import_error_text(err)
-        try:
-            version = metadata.version("tutel")
-        except metadata.PackageNotFoundError:
-            version = "unknown version"
-        return True, f"tutel {version}"
+    modules = ("tutel", "tutel.moe")
+    distribution = "tutel"
 
     def setup(self, shape: MoEShape, group: dist.ProcessGroup | None, dtype: torch.dtype,
               device: torch.device, weights: ExpertWeights) -> None:
@@ -116,26 +95,7 @@ class TutelMoE(Method):
                 param.copy_(value.reshape(param.shape))
         self.layer = layer.to(device=device, dtype=dtype)
         self.gate = self.layer.gates[0]
-        self.element_size = w_down.element_size()
+        self.hidden, self.element_size = shape.hidden, w_down.element_size()
 
     def expert_parameters(self) -> list[torch.Tensor]:
         return list(self.layer.experts.parameters())
-
-    def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        self.gate.route(ids_TK, weights_TK)
-        try:
-            y_TD = self.layer(x_TD)
-        finally:
-            self.gate.route(None, None)  # type: ignore[arg-type]
-        scale_T1 = weights_TK.float().sum(dim=1, keepdim=True)
-        return (y_TD.float() * scale_T1).to(x_TD.dtype)
-
-    def bytes_sent(self, ids_TK: torch.Tensor) -> int | None:
-        """Padded dispatch buffer [E, capacity, D]: the (D-1)/D of it bound elsewhere, out and back."""
-        load_max = torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts).max()
-        if self.world > 1:
-            dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=self.group)
-        capacity = int(load_max)
-        remote_experts = self.num_experts - self.num_experts // self.world
-        hidden = self.layer.model_dim
-        return 2 * remote_experts * capacity * hidden * self.element_size
