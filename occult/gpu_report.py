@@ -27,6 +27,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from occult.provenance import atomic_path, write_csv  # noqa: E402
@@ -36,6 +37,21 @@ XLABEL = {"prefill": "tokens per GPU", "decode": "sequences per GPU (one token e
           "train": "batch (sequences of 512 tokens) per GPU"}
 OCCULT = ("occult", "occult-graph", "occult-nd2", "occult-nd1")
 REFERENCE_TOKENS = 16384
+# One colour per method in every sweep figure (tab20 pairs: an Occult variant and its balanced twin share
+# a hue); methods not listed take the colours left over, in name order.
+METHOD_ORDER = ("occult", "occult-balanced", "occult-graph", "occult-graph-balanced", "occult-nd2", "occult-nd1",
+                "megablocks", "tutel", "deepspeed", "naive", "hf", "fsdp")
+TAB20_INDEX = (0, 1, 2, 3, 4, 5, 6, 8, 10, 14, 12, 16)
+
+
+def method_colors(methods) -> dict[str, tuple]:
+    """A fixed colour per method name, the same in every panel and run."""
+    palette = plt.get_cmap("tab20").colors
+    colors = {m: palette[i] for m, i in zip(METHOD_ORDER, TAB20_INDEX)}
+    spare = [c for i, c in enumerate(palette) if i not in TAB20_INDEX]
+    for k, method in enumerate(sorted(set(methods) - set(colors))):
+        colors[method] = spare[k % len(spare)]
+    return colors
 
 
 def load_sweeps(run_dir: Path) -> pd.DataFrame:
@@ -65,22 +81,32 @@ def plot_kind(frame: pd.DataFrame, kind: str, path: Path) -> None:
     ok = replicate_medians(frame[(frame["kind"] == kind) & (frame["status"] == "ok")])
     panels = sorted(ok.groupby(["shape", "D"]).groups)
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
+    colors = method_colors(ok["method"].unique())
+    rank = {m: i for i, m in enumerate(METHOD_ORDER)}
+    handles = {}
     for ax, (shape, devices) in zip(axes[0], panels):
         part = ok[(ok["shape"] == shape) & (ok["D"] == devices)]
-        for method, g in part.groupby("method"):
+        for method, g in sorted(part.groupby("method"), key=lambda mg: (rank.get(mg[0], len(rank)), mg[0])):
             g = g.sort_values(SIZE_COLUMN[kind])
             style = "-o" if method.startswith("occult") else "--x"
-            line, = ax.plot(g[SIZE_COLUMN[kind]], g["median_ms"], style, ms=3, label=method)
+            line, = ax.plot(g[SIZE_COLUMN[kind]], g["median_ms"], style, ms=3, color=colors[method], label=method)
+            handles.setdefault(method, line)
             spread = g[g["replicates"] > 1]
             if not spread.empty:
-                ax.vlines(spread[SIZE_COLUMN[kind]], spread["low_ms"], spread["high_ms"], color=line.get_color(), lw=1)
+                ax.vlines(spread[SIZE_COLUMN[kind]], spread["low_ms"], spread["high_ms"], color=colors[method], lw=1)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(f"{kind}: {shape}, D={devices}", fontsize=9)
         ax.set_xlabel(XLABEL[kind], fontsize=8)
-        ax.set_ylabel("median ms (one MoE layer)", fontsize=8)
-    axes[0][0].legend(fontsize=7)
+        ax.grid(True, which="major", lw=0.3, alpha=0.5)
+    axes[0][0].set_ylabel("median ms (one MoE layer)", fontsize=8)
+    fig.legend(list(handles.values()), list(handles), fontsize=7, loc="upper center",
+               ncol=min(len(handles), 7), bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(f"machine: {frame['machine'].iloc[0]}, commit {frame['commit'].iloc[0]}", fontsize=8)
+    fig.tight_layout()
     _save(fig, path)
 
 

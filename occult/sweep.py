@@ -251,7 +251,10 @@ class OccultEP(Method):
         return [self.w_gate_up, self.w_down]
 
     def teardown(self) -> None:
+        """Drop the graphs, received-row buffers and expert weights. Up to `sweeps_v39` the weights
+        stayed referenced, so every later method's `peak_mem_gib` counted one more copy of them."""
         self._graphs, self._received = {}, {}
+        super().teardown()
         if self.graphed:
             # make_graphed_callables' autograd Functions hold the graphs in reference cycles; NCCL
             # keeps communicators alive while a graph that captured them exists, so the process
@@ -1032,6 +1035,9 @@ def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device,
                     median_ms=row.get("median_ms"))
             bar.update(1)
         method.teardown()
+        methods[name] = None      # the next method's peak memory must not count this one's leftovers
+        del method
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -141,6 +141,35 @@ def test_train_kind_checks_gradients_and_times_forward_backward(tmp_path):
     assert (frame["max_rel_err"] < 1e-4).all()
 
 
+def test_each_method_is_measured_after_the_previous_ones_are_freed(tmp_path, monkeypatch):
+    """`peak_mem_gib` counts what is resident: the weights of methods measured before must be gone
+    (up to sweeps_v39 every Occult variant's weights stayed alive for the rest of the shape)."""
+    import gc
+    import weakref
+
+    real_measure = sweep._measure
+
+    def measure(settings, shape, name, method, *args, **kwargs):
+        gc.collect()
+        still_alive = sorted({other for other, ref in seen if other != name and ref() is not None})
+        seen.extend((name, weakref.ref(t)) for t in method.expert_parameters())
+        leaks.append((name, still_alive))
+        return real_measure(settings, shape, name, method, *args, **kwargs)
+
+    seen: list = []
+    leaks: list = []
+    monkeypatch.setattr(sweep, "_measure", measure)
+
+    def body(rank, world):
+        sweep.run_sweep("prefill", ["tiny"], ["occult", "occult-nd1", "occult-balanced", "naive", "fsdp"], world,
+                        [8], tmp_path / "mem.csv", repeats=1, warmup=0, device="cpu", dtype="float32")
+        return leaks
+
+    measured = run_ranks(body, 1, timeout_s=60)[0]
+    assert [name for name, _ in measured] == ["occult", "occult-nd1", "occult-balanced", "naive", "fsdp"]
+    assert all(not alive for _, alive in measured), measured
+
+
 def test_inputs_are_the_same_for_every_method_and_fresh_per_set():
     shape = SHAPES["tiny"]
     router = sweep.SyntheticRouter.make(shape, seed=0)
