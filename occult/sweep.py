@@ -255,11 +255,6 @@ class OccultEP(Method):
         stayed referenced, so every later method's `peak_mem_gib` counted one more copy of them."""
         self._graphs, self._received = {}, {}
         super().teardown()
-        if self.graphed:
-            # make_graphed_callables' autograd Functions hold the graphs in reference cycles; NCCL
-            # keeps communicators alive while a graph that captured them exists, so the process
-            # group's teardown waited on them until killed (results/nvidia-h200-x2/ep_v6, train kind with occult-graph)
-            gc.collect()
 
     def _layer(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor, phase=None,
                stats=None) -> torch.Tensor:
@@ -1035,7 +1030,11 @@ def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device,
                     median_ms=row.get("median_ms"))
             bar.update(1)
         method.teardown()
-        methods[name] = None      # the next method's peak memory must not count this one's leftovers
+        # Free the method before the next is measured: its leftovers would count in the next peak memory.
+        # The collection also frees make_graphed_callables' graphs, which sit in reference cycles; NCCL
+        # keeps communicators alive while a graph that captured them exists, so the process group's
+        # teardown waited on them until killed (results/nvidia-h200-x2/ep_v6, train kind with occult-graph).
+        methods[name] = None
         del method
         gc.collect()
         if device.type == "cuda":
