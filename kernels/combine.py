@@ -21,6 +21,7 @@ interpreter cannot autotune over several configs), decided at launch time.
 
 from __future__ import annotations
 
+import functools
 import os
 from types import MappingProxyType
 
@@ -34,8 +35,11 @@ if not __name__.startswith("occult.kernels."):
     raise ImportError(f"{__name__}: the kernels register torch custom ops once; import them as occult.kernels")
 
 
+@functools.cache
 def interpreting() -> bool:
-    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
+    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1). Read once: `triton.jit`
+    itself fixes the mode when a kernel is defined, and an environment lookup is a host cost that
+    several launchers pay per call."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -58,6 +62,37 @@ def direct_call_ok(*grad_inputs: torch.Tensor) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs))
+
+
+# A/B switch for `eager_function_ok` (benchmarks patch it; not thread-safe).
+EAGER_FUNCTIONS = [True]
+
+
+def eager_function_ok() -> bool:
+    """Whether a forward that records autograd may run through the op's plain `autograd.Function`
+    (`eager_function`) instead of its torch custom op: eager, no torch dispatch mode and no functorch
+    transform active. The custom op is what torch.compile, fake tensors and vmap/grad need; in plain
+    eager training its dispatch (the custom-op wrapper and its autograd node) costs host time per
+    call that the `autograd.Function` does not (docs/performance.md, v20)."""
+    return EAGER_FUNCTIONS[0] and not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                                       or torch._C._are_functorch_transforms_active())
+
+
+def eager_function(name: str, implementation, setup_context, backward) -> type[torch.autograd.Function]:
+    """An `autograd.Function` with a custom op's implementation (called with the op's arguments, all
+    passed positionally) and the very `setup_context` and `backward` registered for the op, so both
+    paths save the same tensors and compute the same gradients. The forward takes `ctx` itself:
+    a separate `setup_context` staticmethod would make every `apply` bind its arguments through
+    `inspect.signature`, a host cost of its own."""
+
+    def forward(ctx, *args):
+        output = implementation(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(backward),
+        "__doc__": f"Eager autograd path of occult::{name}."})
 
 
 _GATHER_CONFIGS = (
@@ -330,10 +365,13 @@ def _combine_grad(ctx, dout_TD: torch.Tensor):
 
 
 _combine_op.register_autograd(_combine_grad, setup_context=_combine_setup_context)
+_CombineEager = eager_function("combine", combine_forward, _combine_setup_context, _combine_grad)
 
 
 def combine(z_SD: torch.Tensor, brim0_TJ: torch.Tensor) -> torch.Tensor:
     """out [T, D] = Σ_j z[brim0[t, j]] over brim0[t, j] ≥ 0, fp32 accumulation (differentiable in z)."""
     if direct_call_ok(z_SD):
         return combine_forward(z_SD, brim0_TJ)
+    if eager_function_ok():
+        return _CombineEager.apply(z_SD, brim0_TJ)
     return _combine_op(z_SD, brim0_TJ)

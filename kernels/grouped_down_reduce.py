@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .combine import (cdiv, check_row_table, direct_call_ok, gather_sum_rows, interpreting, next_pow2, row_csr,
-                      segment_sum_rows)
+from .combine import (cdiv, check_row_table, direct_call_ok, eager_function, eager_function_ok, gather_sum_rows,
+                      interpreting, next_pow2, row_csr, segment_sum_rows)
 from .grouped_swiglu import (
     GROUP_M,
     partial_dtype,
@@ -498,6 +498,8 @@ def _down_grad(ctx, dy_RD):
 
 
 _grouped_down_reduce_op.register_autograd(_down_grad, setup_context=_down_setup_context)
+_GroupedDownReduceEager = eager_function("grouped_down_reduce", grouped_down_reduce_forward, _down_setup_context,
+                                         _down_grad)
 
 
 def grouped_down_reduce(
@@ -515,5 +517,5 @@ def grouped_down_reduce(
     if direct_call_ok(h_MF, pair_gate_M, w_down_EDF):
         return grouped_down_reduce_forward(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows,
                                            row_pairs_RK)
-    return _grouped_down_reduce_op(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows,
-                                   row_pairs_RK)
+    op = _GroupedDownReduceEager.apply if eager_function_ok() else _grouped_down_reduce_op
+    return op(h_MF, pair_row_M, pair_gate_M, expert_offsets, w_down_EDF, num_rows, row_pairs_RK)

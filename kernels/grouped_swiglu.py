@@ -48,9 +48,10 @@ from types import MappingProxyType
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import _allocation
 
-from .combine import (cdiv, check_row_table, direct_call_ok, gather_sum_rows, interpreting, next_pow2, row_csr,
-                      segment_sum_rows)
+from .combine import (cdiv, check_row_table, direct_call_ok, eager_function, eager_function_ok, gather_sum_rows,
+                      interpreting, next_pow2, row_csr, segment_sum_rows)
 
 
 def _configs(*shapes: tuple[int, int, int, int, int]) -> tuple[triton.Config, ...]:
@@ -307,7 +308,6 @@ def _ensure_descriptor_allocator() -> None:
     """Device-side tensor descriptors need global scratch from `triton.set_allocator`; set ours
     (torch's caching allocator, so CUDA-graph capture works) unless the caller has set one. The
     setting is a context variable, so it is checked on every launch (autograd's thread too)."""
-    from triton.runtime import _allocation
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_descriptor_scratch)
 
@@ -1078,6 +1078,11 @@ def _swiglu_grad(ctx, dh_MF, _dpreact):
 
 
 _grouped_swiglu_op.register_autograd(_swiglu_grad, setup_context=_swiglu_setup_context)
+_GroupedSwigluEager = eager_function(
+    "grouped_swiglu_fwd",
+    lambda x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact, row_pairs_RK=None:
+        grouped_swiglu_forward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact),
+    _swiglu_setup_context, _swiglu_grad)
 
 
 def grouped_swiglu(
@@ -1093,5 +1098,6 @@ def grouped_swiglu(
     save_preact = torch.is_grad_enabled() and (x_RD.requires_grad or w_gate_up_E2FD.requires_grad)
     if not save_preact and direct_call_ok():
         return grouped_swiglu_forward(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, False)[0]
-    h_MF, _ = _grouped_swiglu_op(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact, row_pairs_RK)
+    op = _GroupedSwigluEager.apply if eager_function_ok() else _grouped_swiglu_op
+    h_MF, _ = op(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD, save_preact, row_pairs_RK)
     return h_MF

@@ -163,8 +163,10 @@ def test_the_three_ops_trace_under_torch_compile():
 
 def test_eager_calls_skip_the_custom_ops_only_when_nothing_needs_them(monkeypatch):
     """`direct_call_ok`: an eager no-grad forward and the autograd backward call the implementations
-    directly (same numbers); a forward that records autograd, or runs under a torch dispatch mode
-    (fake tensors, op counters), goes through the registered custom ops."""
+    directly (same numbers); an eager forward that records autograd runs through the ops' plain
+    `autograd.Function`s (`eager_function_ok`), with the same outputs and gradients bit for bit as
+    through the custom ops; under a torch dispatch mode (fake tensors, op counters) the registered
+    custom ops run, with autograd or without."""
     import importlib
 
     from occult.kernels import grouped_down_reduce, grouped_swiglu
@@ -207,12 +209,26 @@ def test_eager_calls_skip_the_custom_ops_only_when_nothing_needs_them(monkeypatc
     calls.clear()
     graded = [leaf.clone().requires_grad_() for leaf in leaves]
     out = layer(*graded)
-    assert calls == {"_grouped_swiglu_op": 1, "_grouped_down_reduce_op": 1, "_combine_op": 1}
+    assert calls == {}                     # eager autograd: the plain autograd.Functions
     torch.testing.assert_close(out.detach(), direct, atol=0, rtol=0)
-    calls.clear()
     out.square().sum().backward()
     assert calls == {}                     # the backward ops are called directly in eager autograd
     assert all(leaf.grad is not None and leaf.grad.abs().sum() > 0 for leaf in graded)
+
+    monkeypatch.setattr(modules["combine"], "EAGER_FUNCTIONS", [False])
+    through = [leaf.clone().requires_grad_() for leaf in leaves]
+    out_ops = layer(*through)
+    assert calls == {"_grouped_swiglu_op": 1, "_grouped_down_reduce_op": 1, "_combine_op": 1}
+    out_ops.square().sum().backward()
+    torch.testing.assert_close(out_ops.detach(), out.detach(), atol=0, rtol=0)
+    for leaf_fn, leaf_op in zip(graded, through):
+        torch.testing.assert_close(leaf_op.grad, leaf_fn.grad, atol=0, rtol=0)
+
+    monkeypatch.setattr(modules["combine"], "EAGER_FUNCTIONS", [True])
+    calls.clear()
+    with _PassThrough():
+        layer(*[leaf.clone().requires_grad_() for leaf in leaves])
+    assert calls == {"_grouped_swiglu_op": 1, "_grouped_down_reduce_op": 1, "_combine_op": 1}
 
 
 class _PassThrough(TorchDispatchMode):
