@@ -31,6 +31,7 @@ import triton.language as tl
 from occult.ep.plan import DispatchPlan, packed_row_layout
 
 from .combine import cdiv, interpreting, next_pow2
+from .launch import launch
 
 MAX_PAIR_TILE = 8192          # BLOCK_T · K_P2 · max(D_P2, K_P2) elements of the 3-D compares
 
@@ -182,10 +183,9 @@ def dedup_plan_count(ids_TK: torch.Tensor, device_of_expert_E: torch.Tensor, num
     rows = torch.empty(num_devices, num_blocks, dtype=torch.long, device=device)    # device-major
     pairs = torch.empty(num_blocks, num_devices, dtype=torch.long, device=device)   # block-major: summed
     most = torch.empty(num_blocks, dtype=torch.long, device=device)
-    _plan_count_kernel[(num_blocks,)](
-        ids_TK, device_of_expert_E, rows, pairs, most, num_tokens, top_k, num_devices, *ids_TK.stride(),
-        BLOCK_T=block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices),
-    )
+    launch(_plan_count_kernel, (num_blocks,),
+           (ids_TK, device_of_expert_E, rows, pairs, most, num_tokens, top_k, num_devices, *ids_TK.stride()),
+           dict(BLOCK_T=block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices)))
     cum_rows = rows.cumsum(1)       # innermost scan (torch's outer-dim scan is one thread per column)
     counts = torch.stack([cum_rows[:, -1], pairs.sum(0), most.max().expand(num_devices)], dim=1)
     return FusedCounts(counts, cum_rows, block_t)
@@ -236,7 +236,7 @@ def dedup_plan_pack(
     # 128 hidden columns × up to 128 tokens in 8 warps: 64 x elements a thread, no spill
     block_h = 32 if interpreting() else 128
     chunks = max(cdiv(hidden, block_h), 1)
-    _plan_pack_kernel[(num_blocks, chunks)](
+    launch(_plan_pack_kernel, (num_blocks, chunks), (
         ids_TK, device_of_expert_E, local_id_of_expert_E, weights_TK, x_TD, counts.cum_rows_DB,
         plan.brim0_TJ, plan.send_token_S, plan.devices_per_token_T, plan.pair_row_P, plan.pair_rank_P,
         plan.pair_code_P, plan.pair_slot_P,
@@ -244,8 +244,7 @@ def dedup_plan_pack(
         num_tokens, top_k, num_devices, hidden, num_blocks, slots, hidden_bytes // 4, row_bytes // 4,
         row_bytes // x_TD.element_size(),
         *ids_TK.stride(), *weights_TK.stride(), *x_TD.stride(), *plan.brim0_TJ.stride(),
-        BLOCK_T=counts.block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices), BLOCK_H=block_h, num_warps=8,
-    )
+    ), dict(BLOCK_T=counts.block_t, K_P2=_pow2(top_k), D_P2=_pow2(num_devices), BLOCK_H=block_h, num_warps=8))
     return plan, buffer
 
 
@@ -333,13 +332,13 @@ def group_pairs_by_expert(
         return pair_flat_M, pair_row_M, torch.zeros(experts_per_rank + 1, **long), pair_pos_RK
     buckets_p2 = _pow2(experts_per_rank + 1)
     counts = torch.empty(experts_per_rank + 1, num_blocks, **long)     # [bucket, block]
-    _group_count_kernel[(num_blocks,)](code_RK, counts, num_slots, slots, experts_per_rank, *code_RK.stride(),
-                                       BLOCK_P=block_p, BUCKETS_P2=buckets_p2)
+    launch(_group_count_kernel, (num_blocks,), (code_RK, counts, num_slots, slots, experts_per_rank, *code_RK.stride()),
+           dict(BLOCK_P=block_p, BUCKETS_P2=buckets_p2))
     # Scan along the innermost dimension: torch's outer-dimension scan runs one thread per column
     # over all blocks, ~0.4 ms for [4096 blocks, 33 buckets] on an H200 (ep_v6 profile).
     cum = counts.cumsum(1)
     start = torch.empty(experts_per_rank + 1, **long)          # first position of each bucket (kernel)
-    _group_place_kernel[(num_blocks,)](code_RK, cum, start, pair_flat_M, pair_row_M, pair_pos_RK, num_slots, slots,
-                                       experts_per_rank, kept, *code_RK.stride(),
-                                       BLOCK_P=block_p, BUCKETS_P2=buckets_p2)
+    launch(_group_place_kernel, (num_blocks,),
+           (code_RK, cum, start, pair_flat_M, pair_row_M, pair_pos_RK, num_slots, slots, experts_per_rank, kept,
+            *code_RK.stride()), dict(BLOCK_P=block_p, BUCKETS_P2=buckets_p2))
     return pair_flat_M, pair_row_M, start, pair_pos_RK

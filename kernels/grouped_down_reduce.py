@@ -59,6 +59,7 @@ from .grouped_swiglu import (
     tile_at,
     use_tma,
 )
+from .launch import launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,9 +286,9 @@ def gather_scale_rows(x_RD: torch.Tensor, pair_row_M: torch.Tensor, pair_gate_M:
     if num_pairs and hidden and x_RD.shape[0]:
         block_t, block_d = (16, 16) if interpreting() else (32, 256)
         grid = (cdiv(num_pairs, block_t), cdiv(hidden, block_d))
-        _gather_scale_rows_kernel[grid](x_RD, pair_row_M, pair_gate_M, out, num_pairs, x_RD.shape[0], hidden,
-                                        *x_RD.stride(),
-                                        pair_gate_M.stride(0), *out.stride(), BLOCK_T=block_t, BLOCK_D=block_d)
+        launch(_gather_scale_rows_kernel, grid,
+               (x_RD, pair_row_M, pair_gate_M, out, num_pairs, x_RD.shape[0], hidden, *x_RD.stride(),
+                pair_gate_M.stride(0), *out.stride()), dict(BLOCK_T=block_t, BLOCK_D=block_d))
     return out
 
 

@@ -52,6 +52,7 @@ from triton.runtime import _allocation
 
 from .combine import (cdiv, check_row_table, direct_call_ok, eager_function, eager_function_ok, gather_sum_rows,
                       interpreting, next_pow2, row_csr, segment_sum_rows)
+from .launch import launch
 
 
 def _configs(*shapes: tuple[int, int, int, int, int]) -> tuple[triton.Config, ...]:
@@ -227,7 +228,7 @@ def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dty
     if meta is None:
         tuned[grid](*args, **consts)
     else:
-        kernel[grid(meta)](*args, **{**consts, **meta})
+        launch(kernel, grid(meta), args, {**consts, **meta})
 
 
 def partial_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -825,8 +826,9 @@ def swiglu_preact_grad(dh_MF: torch.Tensor, preact_M2F: torch.Tensor, dtype: tor
         return out
     block_t, block_f = (16, 16) if interpreting() else (32, 128)
     grid = (cdiv(num_pairs, block_t), cdiv(ffn, block_f))
-    _swiglu_preact_grad_kernel[grid](dh_MF, preact_M2F, out, num_pairs, ffn, *dh_MF.stride(), *preact_M2F.stride(),
-                                     *out.stride(), BLOCK_T=block_t, BLOCK_F=block_f)
+    launch(_swiglu_preact_grad_kernel, grid,
+           (dh_MF, preact_M2F, out, num_pairs, ffn, *dh_MF.stride(), *preact_M2F.stride(), *out.stride()),
+           dict(BLOCK_T=block_t, BLOCK_F=block_f))
     return out
 
 

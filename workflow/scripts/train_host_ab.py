@@ -5,10 +5,12 @@ The lent hosts' CPU speed moves between processes by more than the effects sough
 each round times, in alternating order, one training step per arm as `occult.sweep` times it (the
 GPU drained, CUDA events around the step, the host time of the step itself): forward of the layer
 plus the shape's shared expert, backward from a fixed output gradient. Arms:
-  occult           the eager `occult.ep.ep_moe` at D = 1 (Triton backend), as the code runs it
-  occult-customop  the same with `occult.kernels.combine.EAGER_FUNCTIONS` off: the forward that records
-                   autograd goes through the torch custom ops (the code before session 25)
-  naive            `occult.baselines.naive.NaiveEP` (torch._grouped_mm)
+  occult               the eager `occult.ep.ep_moe` at D = 1 (Triton backend), as the code runs it
+  occult-normal-launch the same with `occult.kernels.launch.FAST_LAUNCH` off: every kernel through
+                       Triton's `kernel[grid](...)`
+  occult-customop      also `occult.kernels.combine.EAGER_FUNCTIONS` off: the forward that records
+                       autograd goes through the torch custom ops (the code before session 25)
+  naive                `occult.baselines.naive.NaiveEP` (torch._grouped_mm)
 Inputs are `occult.sweep.make_inputs` of the sweep's synthetic router. One CSV row per step.
 Usage (one GPU):
   python workflow/scripts/train_host_ab.py --rounds 200 --batch 1 2 4 --out train_host_ab.csv
@@ -23,7 +25,9 @@ from pathlib import Path
 import torch
 
 SHAPES = ("olmoe", "qwen", "deepseek")
-ARMS = ("occult", "occult-customop", "naive")
+# arm -> (EAGER_FUNCTIONS, FAST_LAUNCH) for the Occult arms
+OCCULT_ARMS = {"occult": (True, True), "occult-normal-launch": (True, False), "occult-customop": (False, False)}
+ARMS = (*OCCULT_ARMS, "naive")
 
 
 def main() -> int:
@@ -44,6 +48,7 @@ def main() -> int:
     from occult.sweep import OccultEP, SharedExpert, SyntheticRouter, derive_seed, host_launch_us, make_inputs
 
     combine_module = importlib.import_module("occult.kernels.combine")   # the package exports a function `combine`
+    launch_module = importlib.import_module("occult.kernels.launch")
     device, dtype = torch.device("cuda"), torch.bfloat16
     steps = {}
     for name in args.shapes:
@@ -64,8 +69,8 @@ def main() -> int:
                 params = method.expert_parameters() + (list(shared.parameters()) if shared is not None else [])
 
                 def step(method=method, params=params, inputs=inputs, ids=ids, gate=gate, shared=shared,
-                         eager_functions=arm != "occult-customop") -> None:
-                    combine_module.EAGER_FUNCTIONS[0] = eager_functions
+                         flags=OCCULT_ARMS.get(arm, (True, True))) -> None:
+                    combine_module.EAGER_FUNCTIONS[0], launch_module.FAST_LAUNCH[0] = flags
                     for p in params:
                         p.grad = None
                     x = inputs.x_TD.detach().requires_grad_()
@@ -98,7 +103,7 @@ def main() -> int:
                          round(launch_us, 1)))
         if round_ % 50 == 0:
             print(f"round {round_}/{args.rounds} ({time.monotonic() - began:.0f} s)", flush=True)
-    combine_module.EAGER_FUNCTIONS[0] = True
+    combine_module.EAGER_FUNCTIONS[0] = launch_module.FAST_LAUNCH[0] = True
     tmp = args.out.with_suffix(".tmp")
     with tmp.open("w", newline="") as fh:
         writer = csv.writer(fh)

@@ -1,0 +1,65 @@
+"""Triton launches with less host work: a specialisation's compiled kernel, launched directly.
+
+`kernel[grid](*args, **kwargs)` (Triton's `JITFunction.run`) binds the arguments, derives the
+specialisation key, looks the compiled kernel up, builds launch metadata for profiler hooks,
+checks the kernel's globals and launches: 32 µs of host time a launch on a lent H200 host, of
+which the launch itself is 10 and the binder 8 (docs/performance.md v20). `launch` keeps Triton's
+own binder and cache key, so the specialisation (16-byte pointer alignment, integer divisibility,
+dtypes, constexprs) is decided by Triton as before. It remembers which compiled kernel Triton's
+normal path returned for that key, and launches that kernel directly from then on. The normal path
+runs for a key's first launch, under the interpreter, while a launch hook or pre-run hook is set,
+when `FAST_LAUNCH` is off, and for good after a failure of the fast path's own lookups (Triton
+internals that moved), with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from .combine import interpreting
+
+# A/B switch (benchmarks patch it; not thread-safe).
+FAST_LAUNCH = [True]
+_COMPILED: dict[tuple, Any] = {}
+
+
+def _lookup(kernel, args: tuple, kwargs: dict) -> tuple[tuple | None, Any, tuple]:
+    """(our cache key, the compiled kernel remembered for it or None, the bound arguments)."""
+    from triton import knobs
+    from triton.runtime import driver
+    from triton.runtime.jit import compute_cache_key
+
+    if (knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+            or kernel.pre_run_hooks):
+        return None, None, ()
+    device = driver.active.get_current_device()
+    _, kernel_key_cache, _, _, binder = kernel.device_caches[device]
+    bound, specialization, options = binder(*args, **kwargs)
+    key = (kernel, device, compute_cache_key(kernel_key_cache, specialization, options), knobs.runtime.debug)
+    return key, _COMPILED.get(key), tuple(bound.values())
+
+
+def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -> None:
+    """`kernel[grid](*args, **kwargs)` for a `triton.jit` kernel and a grid of 1–3 ints."""
+    key = None
+    if FAST_LAUNCH[0] and not interpreting():
+        try:
+            key, compiled, bound = _lookup(kernel, args, kwargs)
+        except Exception as err:  # noqa: BLE001 - Triton internals moved: the normal path from now on
+            FAST_LAUNCH[0] = False
+            warnings.warn(f"occult.kernels.launch: direct launches disabled ({type(err).__name__}: {err})",
+                          RuntimeWarning, stacklevel=2)
+        else:
+            if compiled is not None:
+                from triton.runtime import driver
+
+                stream = driver.active.get_current_stream(key[1])
+                grid_y = grid[1] if len(grid) > 1 else 1
+                grid_z = grid[2] if len(grid) > 2 else 1
+                compiled.run(grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,
+                             None, None, None, *bound)
+                return
+    compiled = kernel[grid](*args, **kwargs)
+    if key is not None and compiled is not None:
+        _COMPILED[key] = compiled
