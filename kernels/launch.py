@@ -9,7 +9,8 @@ dtypes, constexprs) is decided by Triton as before. It remembers which compiled 
 normal path returned for that key, and launches that kernel directly from then on. The normal path
 runs for a key's first launch, under the interpreter, while a launch hook or pre-run hook is set,
 when `FAST_LAUNCH` is off, and for good after a failure of the fast path's own lookups (Triton
-internals that moved), with one warning.
+internals that moved), with one warning. Kernels are keyed by `id`: they live as long as their
+module.
 """
 
 from __future__ import annotations
@@ -19,24 +20,34 @@ from typing import Any
 
 from .combine import interpreting
 
+try:        # the Triton internals the fast path reads; without them every launch takes the normal path
+    from triton import knobs as _knobs
+    from triton.runtime import driver as _driver
+    from triton.runtime.jit import compute_cache_key as _compute_cache_key
+except ImportError:                                                 # pragma: no cover - other Triton
+    _knobs = _driver = _compute_cache_key = None
+
 # A/B switch (benchmarks patch it; not thread-safe).
-FAST_LAUNCH = [True]
+FAST_LAUNCH = [_compute_cache_key is not None]
 _COMPILED: dict[tuple, Any] = {}
 
 
-def _lookup(kernel, args: tuple, kwargs: dict) -> tuple[tuple | None, Any, tuple]:
-    """(our cache key, the compiled kernel remembered for it or None, the bound arguments)."""
-    from triton import knobs
-    from triton.runtime import driver
-    from triton.runtime.jit import compute_cache_key
+def _hook_set(hook) -> bool:
+    """A launch hook that would have to run: Triton ≥ 3.5 keeps an (often empty) `HookChain`."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
-    if (knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
-            or kernel.pre_run_hooks):
+
+def _lookup(kernel, args: tuple, kwargs: dict) -> tuple[tuple | None, Any, tuple]:
+    """(our cache key, the compiled kernel remembered for it or None, the bound arguments); no key
+    while a launch or pre-run hook is set (the normal path runs them)."""
+    runtime = _knobs.runtime
+    if (_hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+            or getattr(kernel, "pre_run_hooks", None)):
         return None, None, ()
-    device = driver.active.get_current_device()
+    device = _driver.active.get_current_device()
     _, kernel_key_cache, _, _, binder = kernel.device_caches[device]
     bound, specialization, options = binder(*args, **kwargs)
-    key = (kernel, device, compute_cache_key(kernel_key_cache, specialization, options), knobs.runtime.debug)
+    key = (id(kernel), device, _compute_cache_key(kernel_key_cache, specialization, options), runtime.debug)
     return key, _COMPILED.get(key), tuple(bound.values())
 
 
@@ -52,9 +63,7 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -
                           RuntimeWarning, stacklevel=2)
         else:
             if compiled is not None:
-                from triton.runtime import driver
-
-                stream = driver.active.get_current_stream(key[1])
+                stream = _driver.active.get_current_stream(key[1])
                 grid_y = grid[1] if len(grid) > 1 else 1
                 grid_z = grid[2] if len(grid) > 2 else 1
                 compiled.run(grid[0], grid_y, grid_z, stream, compiled.function, compiled.packed_metadata,

@@ -56,6 +56,7 @@ def test_direct_launches_match_the_normal_launch_per_specialisation(monkeypatch)
         assert calls["normal"] == before + 1            # only the first went through Triton's run
         assert len(launch_module._COMPILED) == entries + 1, f"case {index}: no entry of its own"
         assert torch.equal(first, want) and torch.equal(second, want), f"case {index}"
+    assert launch_module.FAST_LAUNCH[0], "the fast path switched itself off"
 
 
 def test_a_failing_lookup_falls_back_to_the_normal_launch_for_good(monkeypatch):
