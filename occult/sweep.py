@@ -763,6 +763,59 @@ def time_stream(step: Callable[[int], None], steps: int, warmup: int, device: to
     return _max_over_ranks(times, hosts, probes, device, world, host_times, host_probes)
 
 
+def interleaved_ab(steps: dict[tuple, Callable[[], None]], rounds: int, warmup: int, device: torch.device,
+                   out_csv: Path, key_columns: Sequence[str], progress_every: int = 50) -> None:
+    """Time several variants with the host's speed held fixed (one GPU, one process): warm each step up,
+    then per round (the order reversed every other round, so that no variant is always first) time
+    every step as `time_steps` does (the GPU drained, CUDA events around it, its own host time), after
+    one launch probe (`host_launch_us`) per round. Writes `out_csv` (columns round, *key_columns,
+    host_us, step_us, host_launch_us; one row per step) atomically."""
+    import csv
+    import time
+
+    for step in steps.values():
+        for _ in range(warmup):
+            step()
+    torch.cuda.synchronize(device)
+    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    rows, began = [], time.monotonic()
+    for round_ in range(rounds):
+        launch_us = host_launch_us(device)
+        for key in (list(steps) if round_ % 2 == 0 else list(reversed(steps))):
+            torch.cuda.synchronize(device)
+            start_event.record()
+            t0 = time.perf_counter()
+            steps[key]()
+            host_us = 1e6 * (time.perf_counter() - t0)
+            end_event.record()
+            end_event.synchronize()
+            rows.append((round_, *key, round(host_us, 1), round(1e3 * start_event.elapsed_time(end_event), 1),
+                         round(launch_us, 1)))
+        if round_ % progress_every == 0:
+            print(f"round {round_}/{rounds} ({time.monotonic() - began:.0f} s)", flush=True)
+    tmp = out_csv.with_suffix(".tmp")
+    with tmp.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["round", *key_columns, "host_us", "step_us", "host_launch_us"])
+        writer.writerows(rows)
+    tmp.replace(out_csv)
+
+
+def train_step(method: Method, x_TD: torch.Tensor, ids_TK: torch.Tensor, gate_TK: torch.Tensor,
+               shared: torch.nn.Module | None, dy_TD: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """One training step as the sweep times it: gradients cleared, the layer (plus the shared expert)
+    forward on fresh leaves, backward from `dy_TD` (`-compute` returns the received rows' outputs
+    [R, d]: any upstream gradient will do there)."""
+    for p in params:
+        p.grad = None
+    x = x_TD.detach().requires_grad_()
+    gate = gate_TK.detach().requires_grad_()
+    y = method.forward(x, ids_TK, gate)
+    if shared is not None:
+        y = y + shared(x)
+    y.backward(dy_TD if y.shape == dy_TD.shape else torch.ones_like(y))
+
+
 def profile_host(step: Callable[[int], None], steps: int, device: torch.device, world: int, rank: int,
                  out_txt: Path, top: int = 40) -> None:
     """Run `steps` more steps under cProfile (the GPU drained before each, as in `time_steps`) and
@@ -1070,15 +1123,7 @@ def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method
             inputs = sets[i % len(sets)]
             ids, gate = inputs.routes[nd]
             if train:
-                for p in params:
-                    p.grad = None
-                x = inputs.x_TD.detach().requires_grad_()
-                gate = gate.detach().requires_grad_()
-                y = method.forward(x, ids, gate)
-                if shared is not None:
-                    y = y + shared(x)
-                # `-compute` returns the received rows' outputs [R, d]: any upstream gradient will do.
-                y.backward(inputs.dy_TD if y.shape == inputs.dy_TD.shape else torch.ones_like(y))
+                train_step(method, inputs.x_TD, ids, gate, shared, inputs.dy_TD, params)
             else:
                 with torch.no_grad():
                     y = method.forward(inputs.x_TD, ids, gate)

@@ -429,3 +429,38 @@ def test_stream_timing_rows_say_so_and_the_simulator_skips_them(tmp_path):
         read_measured([str(out)])
     with pytest.raises(sweep.SweepError, match="timing: 'burst'"):
         sweep.run_sweep("prefill", ["tiny"], ["naive"], 1, [8], tmp_path / "x.csv", device="cpu", timing="burst")
+
+
+def test_interleaved_ab_alternates_the_order_and_writes_one_row_per_step(monkeypatch, tmp_path):
+    """`interleaved_ab` (the host-speed-controlled A/B of workflow/scripts/*_host_ab.py): every step
+    warmed up, then timed once per round, in reversed order every other round, one CSV row per step."""
+    import occult.sweep as sweep_module
+
+    class Event:
+        def __init__(self, **_kwargs):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, _other):
+            return 0.25
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_args: None)
+    monkeypatch.setattr(sweep_module, "host_launch_us", lambda _device: 3.0)
+    calls: list[str] = []
+    steps = {("olmoe", 1, arm): (lambda arm=arm: calls.append(arm)) for arm in ("a", "b", "c")}
+    out = tmp_path / "ab.csv"
+    sweep_module.interleaved_ab(steps, rounds=2, warmup=2, device=torch.device("cpu"), out_csv=out,
+                                key_columns=("shape", "batch", "arm"))
+    assert calls == ["a", "a", "b", "b", "c", "c", "a", "b", "c", "c", "b", "a"]
+    import pandas as pd
+
+    table = pd.read_csv(out)
+    assert list(table.columns) == ["round", "shape", "batch", "arm", "host_us", "step_us", "host_launch_us"]
+    assert table.arm.tolist() == ["a", "b", "c", "c", "b", "a"] and (table.step_us == 250.0).all()
+    assert not (tmp_path / "ab.tmp").exists()

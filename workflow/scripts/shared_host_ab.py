@@ -14,8 +14,7 @@ Usage (one GPU):
 from __future__ import annotations
 
 import argparse
-import csv
-import time
+import functools
 from pathlib import Path
 
 import torch
@@ -35,7 +34,7 @@ def main() -> int:
 
     from occult.baselines import get_shape
     from occult.ep import ep_moe
-    from occult.sweep import SharedExpert, derive_seed, host_launch_us
+    from occult.sweep import SharedExpert, derive_seed, interleaved_ab
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     steps = {}
@@ -62,35 +61,8 @@ def main() -> int:
                 if arm == "layer+shared" and shared is None:
                     continue
                 steps[(name, batch, arm)] = (step, arm == "layer+shared")
-    for fn, with_shared in steps.values():          # compile and warm up every variant
-        for _ in range(args.warmup):
-            fn(with_shared)
-    torch.cuda.synchronize()
-
-    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    rows, began = [], time.monotonic()
-    for round_ in range(args.rounds):
-        launch_us = host_launch_us(device)
-        order = list(steps) if round_ % 2 == 0 else list(reversed(steps))   # no variant always first
-        for key in order:
-            fn, with_shared = steps[key]
-            torch.cuda.synchronize()
-            start_event.record()
-            t0 = time.perf_counter()
-            fn(with_shared)
-            host_us = 1e6 * (time.perf_counter() - t0)
-            end_event.record()
-            end_event.synchronize()
-            rows.append((round_, *key, round(host_us, 1), round(1e3 * start_event.elapsed_time(end_event), 1),
-                         round(launch_us, 1)))
-        if round_ % 100 == 0:
-            print(f"round {round_}/{args.rounds} ({time.monotonic() - began:.0f} s)", flush=True)
-    tmp = args.out.with_suffix(".tmp")
-    with tmp.open("w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["round", "shape", "batch", "arm", "host_us", "step_us", "host_launch_us"])
-        writer.writerows(rows)
-    tmp.replace(args.out)
+    interleaved_ab({key: functools.partial(fn, with_shared) for key, (fn, with_shared) in steps.items()},
+                   args.rounds, args.warmup, device, args.out, ("shape", "batch", "arm"), progress_every=100)
 
     import pandas as pd
 

@@ -18,8 +18,7 @@ Usage (one GPU):
 from __future__ import annotations
 
 import argparse
-import csv
-import time
+import importlib
 from pathlib import Path
 
 import torch
@@ -44,8 +43,7 @@ def main() -> int:
 
     from occult.baselines import ExpertWeights, get_shape
     from occult.baselines.naive import NaiveEP
-    import importlib
-    from occult.sweep import OccultEP, SharedExpert, SyntheticRouter, derive_seed, host_launch_us, make_inputs
+    from occult.sweep import OccultEP, SharedExpert, SyntheticRouter, derive_seed, interleaved_ab, make_inputs, train_step
 
     combine_module = importlib.import_module("occult.kernels.combine")   # the package exports a function `combine`
     launch_module = importlib.import_module("occult.kernels.launch")
@@ -71,45 +69,13 @@ def main() -> int:
                 def step(method=method, params=params, inputs=inputs, ids=ids, gate=gate, shared=shared,
                          flags=OCCULT_ARMS.get(arm, (True, True))) -> None:
                     combine_module.EAGER_FUNCTIONS[0], launch_module.FAST_LAUNCH[0] = flags
-                    for p in params:
-                        p.grad = None
-                    x = inputs.x_TD.detach().requires_grad_()
-                    g = gate.detach().requires_grad_()
-                    y = method.forward(x, ids, g)
-                    if shared is not None:
-                        y = y + shared(x)
-                    y.backward(inputs.dy_TD)
+                    train_step(method, inputs.x_TD, ids, gate, shared, inputs.dy_TD, params)
 
                 steps[(name, batch, arm)] = step
-    for step in steps.values():                      # compile and warm up every variant
-        for _ in range(args.warmup):
-            step()
-    torch.cuda.synchronize()
-
-    start_event, end_event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    rows, began = [], time.monotonic()
-    for round_ in range(args.rounds):
-        launch_us = host_launch_us(device)
-        order = list(steps) if round_ % 2 == 0 else list(reversed(steps))   # no arm always first
-        for key in order:
-            torch.cuda.synchronize()
-            start_event.record()
-            t0 = time.perf_counter()
-            steps[key]()
-            host_us = 1e6 * (time.perf_counter() - t0)
-            end_event.record()
-            end_event.synchronize()
-            rows.append((round_, *key, round(host_us, 1), round(1e3 * start_event.elapsed_time(end_event), 1),
-                         round(launch_us, 1)))
-        if round_ % 50 == 0:
-            print(f"round {round_}/{args.rounds} ({time.monotonic() - began:.0f} s)", flush=True)
-    combine_module.EAGER_FUNCTIONS[0] = launch_module.FAST_LAUNCH[0] = True
-    tmp = args.out.with_suffix(".tmp")
-    with tmp.open("w", newline="") as fh:
-        writer = csv.writer(fh)
-        writer.writerow(["round", "shape", "batch", "arm", "host_us", "step_us", "host_launch_us"])
-        writer.writerows(rows)
-    tmp.replace(args.out)
+    try:
+        interleaved_ab(steps, args.rounds, args.warmup, device, args.out, ("shape", "batch", "arm"))
+    finally:
+        combine_module.EAGER_FUNCTIONS[0] = launch_module.FAST_LAUNCH[0] = True
 
     import pandas as pd
 
