@@ -55,13 +55,19 @@ def next_pow2(n: int) -> int:
 
 def direct_call_ok(*grad_inputs: torch.Tensor) -> bool:
     """Whether a differentiable op of this package may call its implementation directly instead of
-    through its torch custom op: eager (not traced by torch.compile), no torch dispatch mode active
-    (fake tensors, op counters), and no autograd graph to record for `grad_inputs`. The custom op's
-    dispatch costs 30–60 µs of host time per call on the H200 machine (docs/performance.md, v12),
+    through its torch custom op: `plain_eager`, and no autograd graph to record for `grad_inputs`.
+    The custom op's dispatch costs 30–60 µs of host time per call on the H200 machine (docs/performance.md, v12),
     for nothing in an eager no-grad forward or an autograd backward."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    if not plain_eager():
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in grad_inputs))
+
+
+def plain_eager() -> bool:
+    """No torch.compile tracing, no torch dispatch mode (fake tensors, op counters) and no functorch
+    transform (vmap, grad) active: the cases that need the registered custom ops."""
+    return not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._are_functorch_transforms_active())
 
 
 # A/B switch for `eager_function_ok` (benchmarks patch it; not thread-safe).
@@ -70,12 +76,10 @@ EAGER_FUNCTIONS = [True]
 
 def eager_function_ok() -> bool:
     """Whether a forward that records autograd may run through the op's plain `autograd.Function`
-    (`eager_function`) instead of its torch custom op: eager, no torch dispatch mode and no functorch
-    transform active. The custom op is what torch.compile, fake tensors and vmap/grad need; in plain
-    eager training its dispatch (the custom-op wrapper and its autograd node) costs host time per
+    (`eager_function`) instead of its torch custom op: `plain_eager`. The custom op is what
+    torch.compile, fake tensors and vmap/grad need; in plain eager training its dispatch (the custom-op wrapper and its autograd node) costs host time per
     call that the `autograd.Function` does not (docs/performance.md, v20)."""
-    return EAGER_FUNCTIONS[0] and not (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-                                       or torch._C._are_functorch_transforms_active())
+    return EAGER_FUNCTIONS[0] and plain_eager()
 
 
 def eager_function(name: str, implementation, setup_context, backward) -> type[torch.autograd.Function]:
