@@ -21,26 +21,18 @@ interpreter cannot autotune over several configs), decided at launch time.
 
 from __future__ import annotations
 
-import functools
-import os
 from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
+from .launch import interpreting, launch_tuned
+
 if not __name__.startswith("occult.kernels."):
     # every op module imports this one: a copy under another name (`kernels.*` with the repository root
     # on sys.path) would register the torch custom ops a second time (kernels/__init__.py)
     raise ImportError(f"{__name__}: the kernels register torch custom ops once; import them as occult.kernels")
-
-
-@functools.cache
-def interpreting() -> bool:
-    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1). Read once: `triton.jit`
-    itself fixes the mode when a kernel is defined, and an environment lookup is a host cost that
-    several launchers pay per call."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -252,7 +244,7 @@ def combine_forward(z_SD: torch.Tensor, brim0_TJ: torch.Tensor, out_dtype: torch
     if interpreting():
         _combine_fwd_kernel[_gather_grid(num_tokens, hidden)(_INTERPRET_META)](*args, **_INTERPRET_META)
     else:
-        _combine_fwd_tuned[_gather_grid(num_tokens, hidden)](*args)
+        launch_tuned(_combine_fwd_tuned, _gather_grid(num_tokens, hidden), args)
     return out_TD
 
 
@@ -271,7 +263,7 @@ def combine_backward(dout_TD: torch.Tensor, brim0_TJ: torch.Tensor, num_rows: in
     if interpreting():
         _combine_bwd_kernel[_gather_grid(num_tokens, hidden)(_INTERPRET_META)](*args, **_INTERPRET_META)
     else:
-        _combine_bwd_tuned[_gather_grid(num_tokens, hidden)](*args)
+        launch_tuned(_combine_bwd_tuned, _gather_grid(num_tokens, hidden), args)
     return dz_SD
 
 
@@ -325,7 +317,7 @@ def segment_sum_rows(
     if interpreting():
         _segment_sum_kernel[_gather_grid(num_rows, hidden)(_INTERPRET_META)](*args, **_INTERPRET_META)
     else:
-        _segment_sum_tuned[_gather_grid(num_rows, hidden)](*args)
+        launch_tuned(_segment_sum_tuned, _gather_grid(num_rows, hidden), args)
     return out_RD
 
 

@@ -52,7 +52,7 @@ from triton.runtime import _allocation
 
 from .combine import (cdiv, check_row_table, direct_call_ok, eager_function, eager_function_ok, gather_sum_rows,
                       interpreting, next_pow2, row_csr, segment_sum_rows)
-from .launch import launch
+from .launch import launch, launch_tuned
 
 
 def _configs(*shapes: tuple[int, int, int, int, int]) -> tuple[triton.Config, ...]:
@@ -226,7 +226,7 @@ def launch_gemm(tuned, kernel, grid, args: tuple, consts: dict, dtype: torch.dty
     meta = fixed_gemm_meta(dtype, num_pairs, name, shape, device, bool(consts.get("TMA", False)))
     LAST_LAUNCH_META[name] = meta
     if meta is None:
-        tuned[grid](*args, **consts)
+        launch_tuned(tuned, grid, args, consts)
     else:
         launch(kernel, grid(meta), args, {**consts, **meta})
 

@@ -11,24 +11,41 @@ runs for a key's first launch, under the interpreter, while a launch hook or pre
 when `FAST_LAUNCH` is off, and for good after a failure of the fast path's own lookups (Triton
 internals that moved), with one warning. Kernels are keyed by `id`: they live as long as their
 module.
+
+`launch_tuned` does the same for a `triton.autotune` wrapper: once the autotuner has picked a config
+for a tuning key (its own first launch, benchmarks included), the kernel is launched with that
+config through `launch`, past the autotuner's and Triton's per-launch Python. The key is read from
+the autotuner's own cache with the autotuner's formula (the `key` arguments' values, then every
+tensor argument's dtype), so the config is the one Triton would have launched; a miss, a config with
+a pre-hook, or `FAST_TUNED_LAUNCH` off takes the autotuner's normal path.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from typing import Any
-
-from .combine import interpreting
 
 try:        # the Triton internals the fast path reads; without them every launch takes the normal path
     from triton import knobs as _knobs
     from triton.runtime import driver as _driver
+    from triton.runtime.autotuner import Autotuner as _Autotuner
     from triton.runtime.jit import compute_cache_key as _compute_cache_key
 except ImportError:                                                 # pragma: no cover - other Triton
-    _knobs = _driver = _compute_cache_key = None
+    _knobs = _driver = _compute_cache_key = _Autotuner = None
 
-# A/B switch (benchmarks patch it; not thread-safe).
+@functools.cache
+def interpreting() -> bool:
+    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1). Read once: `triton.jit`
+    itself fixes the mode when a kernel is defined, and an environment lookup is a host cost that
+    several launchers pay per call."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# A/B switches (benchmarks patch them; not thread-safe).
 FAST_LAUNCH = [_compute_cache_key is not None]
+FAST_TUNED_LAUNCH = [True]
 _COMPILED: dict[tuple, Any] = {}
 
 
@@ -72,3 +89,35 @@ def launch(kernel, grid: tuple[int, ...], args: tuple, kwargs: dict[str, Any]) -
     compiled = kernel[grid](*args, **kwargs)
     if key is not None and compiled is not None:
         _COMPILED[key] = compiled
+
+
+def _tuned_config(tuned, args: tuple, kwargs: dict[str, Any]):
+    """The config `tuned` (a `triton.autotune` wrapper of a `triton.jit` kernel) has already picked
+    for these arguments, or None (not tuned yet, a config pre-hook to run, or another wrapper)."""
+    if _Autotuner is None or not isinstance(tuned, _Autotuner):
+        return None
+    if len(tuned.configs) == 1:
+        config = tuned.configs[0]
+    else:
+        named = dict(zip(tuned.arg_names, args))
+        named.update((name, value) for name, value in kwargs.items() if name in tuned.arg_names)
+        key = [named[name] for name in tuned.keys if name in named]
+        key.extend(str(value.dtype) for value in named.values() if hasattr(value, "dtype"))
+        config = tuned.cache.get(tuple(key))
+    if config is None or config.pre_hook is not None or not hasattr(tuned.fn, "device_caches"):
+        return None
+    return config
+
+
+def launch_tuned(tuned, grid, args: tuple, kwargs: dict[str, Any] | None = None) -> None:
+    """`tuned[grid](*args, **kwargs)` for a `triton.autotune` wrapper `tuned`; `grid` maps the
+    config's meta-parameters to a grid of 1–3 ints."""
+    kwargs = kwargs or {}
+    if FAST_TUNED_LAUNCH[0] and FAST_LAUNCH[0] and not interpreting():
+        config = _tuned_config(tuned, args, kwargs)
+        if config is not None:
+            meta = config.all_kwargs()
+            tuned.best_config = config
+            launch(tuned.fn, grid(meta), args, {**kwargs, **meta})
+            return
+    tuned[grid](*args, **kwargs)

@@ -6,8 +6,9 @@ each round times, in alternating order, one training step per arm as `occult.swe
 GPU drained, CUDA events around the step, the host time of the step itself): forward of the layer
 plus the shape's shared expert, backward from a fixed output gradient. Arms:
   occult               the eager `occult.ep.ep_moe` at D = 1 (Triton backend), as the code runs it
-  occult-normal-launch the same with `occult.kernels.launch.FAST_LAUNCH` off: every kernel through
-                       Triton's `kernel[grid](...)`
+  occult-tuned-normal  the same with `occult.kernels.launch.FAST_TUNED_LAUNCH` off: autotuned kernels
+                       through the autotuner's `tuned[grid](...)` (the code before session 27)
+  occult-normal-launch also `FAST_LAUNCH` off: every kernel through Triton's `kernel[grid](...)`
   occult-customop      also `occult.kernels.combine.EAGER_FUNCTIONS` off: the forward that records
                        autograd goes through the torch custom ops (the code before session 25)
   naive                `occult.baselines.naive.NaiveEP` (torch._grouped_mm)
@@ -24,8 +25,9 @@ from pathlib import Path
 import torch
 
 SHAPES = ("olmoe", "qwen", "deepseek")
-# arm -> (EAGER_FUNCTIONS, FAST_LAUNCH) for the Occult arms
-OCCULT_ARMS = {"occult": (True, True), "occult-normal-launch": (True, False), "occult-customop": (False, False)}
+# arm -> (EAGER_FUNCTIONS, FAST_LAUNCH, FAST_TUNED_LAUNCH) for the Occult arms
+OCCULT_ARMS = {"occult": (True, True, True), "occult-tuned-normal": (True, True, False),
+               "occult-normal-launch": (True, False, False), "occult-customop": (False, False, False)}
 ARMS = (*OCCULT_ARMS, "naive")
 
 
@@ -67,15 +69,16 @@ def main() -> int:
                 params = method.expert_parameters() + (list(shared.parameters()) if shared is not None else [])
 
                 def step(method=method, params=params, inputs=inputs, ids=ids, gate=gate, shared=shared,
-                         flags=OCCULT_ARMS.get(arm, (True, True))) -> None:
-                    combine_module.EAGER_FUNCTIONS[0], launch_module.FAST_LAUNCH[0] = flags
+                         flags=OCCULT_ARMS.get(arm, OCCULT_ARMS["occult"])) -> None:
+                    (combine_module.EAGER_FUNCTIONS[0], launch_module.FAST_LAUNCH[0],
+                     launch_module.FAST_TUNED_LAUNCH[0]) = flags
                     train_step(method, inputs.x_TD, ids, gate, shared, inputs.dy_TD, params)
 
                 steps[(name, batch, arm)] = step
     try:
         interleaved_ab(steps, args.rounds, args.warmup, device, args.out, ("shape", "batch", "arm"))
     finally:
-        combine_module.EAGER_FUNCTIONS[0] = launch_module.FAST_LAUNCH[0] = True
+        combine_module.EAGER_FUNCTIONS[0] = launch_module.FAST_LAUNCH[0] = launch_module.FAST_TUNED_LAUNCH[0] = True
 
     import pandas as pd
 
