@@ -11,7 +11,8 @@ top), OLMoE-like routing (64 experts, top-8), Triton backend with the fused disp
 Host time (`host_breakdown`): the OLMoE layer shape on one GPU, bf16, no process group; each call
 starts on a drained GPU, and wall-clock µs are summed per part of the forward by wrappers around
 the layer's steps (the Triton launcher `JITFunction.run` also separately, wherever it is called
-from). "rest" is the forward's time outside the wrapped parts (ep_moe's own Python and torch ops).
+from, and the direct launches' lookup, `occult.kernels.launch._lookup`, which replaces it once a
+kernel's specialisation is compiled). "rest" is the forward's time outside the wrapped parts (ep_moe's own Python and torch ops).
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int 
                    experts: int = 64, top_k: int = 8, hidden: int = 2048, ffn: int = 1024) -> dict[str, float]:
     """Median host µs of one eager no-grad `ep_moe` forward (`total`), and the mean µs per call of
     each part of `HOST_PARTS` (0 for parts a one-device call skips), `rest`, the `INNER_PARTS` and
-    `triton_launch` (all Triton launches), on the GPU."""
+    `triton_launch` (launches through Triton's `JITFunction.run`) and `direct_lookup` (the lookup of
+    `occult.kernels.launch`'s direct launches, which skip it), on the GPU."""
     import triton
 
     from occult.ep import layer
@@ -131,6 +133,7 @@ def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int 
     # the modules (occult.kernels exports functions of the same names)
     swiglu_module = importlib.import_module("occult.kernels.grouped_swiglu")
     down_module = importlib.import_module("occult.kernels.grouped_down_reduce")
+    launch_module = importlib.import_module("occult.kernels.launch")
 
     if not torch.cuda.is_available():
         raise RuntimeError("host_breakdown: needs a GPU (the Triton backend's launches are what it times)")
@@ -165,6 +168,7 @@ def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int 
                                      clock.wrap("down_launcher", down_module.grouped_down_reduce_forward)))
         stack.enter_context(_patched(triton.runtime.jit.JITFunction, "run",
                                      clock.wrap("triton_launch", triton.runtime.jit.JITFunction.run)))
+        stack.enter_context(_patched(launch_module, "_lookup", clock.wrap("direct_lookup", launch_module._lookup)))
         with torch.no_grad():
             for i in range(warmup + repeats):
                 torch.cuda.synchronize(device)
@@ -180,7 +184,8 @@ def host_breakdown(tokens: int, repeats: int = 100, warmup: int = 10, seed: int 
             raise RuntimeError(f"host_breakdown: {inner} was never reached inside {outer}; the launcher was "
                                "called through a reference the wrapper does not replace")
     out = {"total": statistics.median(totals), "total_mean": statistics.fmean(totals)}
-    out.update({part: clock.us[part] / repeats for part in (*HOST_PARTS, *INNER_PARTS, "triton_launch")})
+    timed = (*HOST_PARTS, *INNER_PARTS, "triton_launch", "direct_lookup")
+    out.update({part: clock.us[part] / repeats for part in timed})
     out["rest"] = out["total_mean"] - sum(out[part] for part in HOST_PARTS)
     return out
 
@@ -198,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{counts['triton']} Triton launches")
         return 0
     rows = {str(tokens): host_breakdown(tokens, args.repeats) for tokens in args.tokens}
-    keys = ["total", "total_mean", *HOST_PARTS, "rest", *INNER_PARTS, "triton_launch"]
+    keys = ["total", "total_mean", *HOST_PARTS, "rest", *INNER_PARTS, "triton_launch", "direct_lookup"]
     print("host µs per eager forward (OLMoE layer, D = 1, no process group; parts are means)")
     print(f"{'part':>15} " + " ".join(f"{t:>9}" for t in rows))
     for key in keys:
