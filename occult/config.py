@@ -131,6 +131,7 @@ class SimulateConfig:
     history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
     shared_ab: tuple = ()               # ([file with shared experts, file without], ...): the shared expert's cost
     host_speed: str = "auto"            # auto | none | launch | python: host terms scaled by a probe (occult.simulate.host_scale_of_set)
+    issue8_check: dict | None = None    # {predictions: FILE, measured: [FILE, ...]}: occult.prediction_check
 
     def expand(self, text: str, field: str) -> str:
         """`text` with every `$name` replaced by `folders[name]`."""
@@ -152,6 +153,14 @@ class SimulateConfig:
         files += [p for p in (self.alltoall_csv, self.gemm_csv, self.kernel_stream_csv) if p]
         files += [self.expand(str(text), "simulate.shared_ab") for pair in self.shared_ab for text in pair]
         return list(dict.fromkeys(files))
+
+    def issue8_files(self) -> tuple[str, list[str]]:
+        """(the pre-registered predictions, the measured sweeps) that `occult.prediction_check` compares;
+        no measured file: the check has nothing to do."""
+        if self.issue8_check is None:
+            return "", []
+        field = "simulate.issue8_check.measured"
+        return self.issue8_check["predictions"], [self.expand(text, field) for text in self.issue8_check["measured"]]
 
 
 FOLDER_RE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")

@@ -49,3 +49,14 @@ def test_gpu_scripts_count_only_the_visible_gpus(visible, expected):
     out = subprocess.run(["bash", "-c", script], env={"CUDA_VISIBLE_DEVICES": visible, "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == expected
+
+
+def test_issue8_check_joins_the_dag_once_its_measured_files_are_named(tmp_path):
+    sweep = tmp_path / "sweep_prefill_D4.csv"
+    sweep.write_text("kind,shape,method,D,tokens_per_gpu,median_ms,status\nprefill,olmoe,occult,4,1024,1.0,ok\n")
+    check = ("simulate={'issue8_check': {'predictions': 'results/preregistered/issue8_predictions_90f63fd.csv', "
+             f"'measured': ['{sweep}']}}}}")
+    named = dry_run("--forceall", "--config", check)
+    assert named.returncode == 0, named.stderr[-2000:]
+    assert "check_issue8_predictions" in named.stdout
+    assert "check_issue8_predictions" not in dry_run("--forceall").stdout     # default: nothing measured yet

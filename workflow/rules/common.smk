@@ -157,12 +157,21 @@ def sweep_run_dir(wildcards, input) -> str:
     return str(Path(input.sweeps[0]).parent)
 
 
+def committed_path(path: str) -> str:
+    """`path` as given, else relative to the repository (committed results)."""
+    return path if Path(path).exists() else str(Path(workflow.basedir) / path)
+
+
 def simulate_inputs(wildcards) -> list[str]:
     """Measured files the simulator reads; relative paths are committed results of the repository."""
     if CFG.simulate is None:
         return []
     named = CFG.simulate.input_files()          # $folder expanded, row selectors dropped
-    return [p if Path(p).exists() else str(Path(workflow.basedir) / p) for p in named if p]
+    return [committed_path(p) for p in named if p]
+
+
+# Issue 8's check runs once its measured files are named (simulate.issue8_check.measured).
+ISSUE8_PREDICTIONS, ISSUE8_MEASURED = CFG.simulate.issue8_files() if CFG.simulate is not None else ("", [])
 
 
 def simulate_figures_dir(wildcards, output) -> str:
@@ -176,6 +185,7 @@ SIMULATE_OUTPUTS = [
     f"{RESULTS}/simulate/predictions_D4_D8.csv",
     f"{FIGURES}/simulate_speedup.png",
     f"{FIGURES}/simulate_validation.png",
+    *([f"{RESULTS}/simulate/issue8_check.csv", f"{FIGURES}/issue8_check.png"] if ISSUE8_MEASURED else []),
 ] if CFG.simulate is not None else []
 
 

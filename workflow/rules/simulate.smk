@@ -1,5 +1,5 @@
 # Trace-driven scale simulator (issue 6): validated against the committed GPU sweeps, predictions
-# for D = 4 ... 64 and the issue-8 table for D = 4, 8. CPU only; about half a minute.
+# for D = 4 ... 64 and the issue-8 table for D = 4, 8, and the issue-8 check. CPU only; about half a minute.
 # (`occult simulate` is the same stage behind the CLI; the module entry keeps tests/test_cli.py's
 # fixed stage table unchanged.)
 
@@ -37,3 +37,30 @@ rule simulate_scale:
     shell:
         "python -m occult.simulate --config {params.config} --out {params.outdir} --figures {params.figures}"
         " --log-json {log.json} 2>&1 | tee {log.text}"
+
+
+rule check_issue8_predictions:
+    input:
+        measured=[committed_path(p) for p in ISSUE8_MEASURED],
+        preregistered=committed_path(ISSUE8_PREDICTIONS) if ISSUE8_PREDICTIONS else [],
+        current=f"{RESULTS}/simulate/predictions_D4_D8.csv",
+    output:
+        table=report(f"{RESULTS}/simulate/issue8_check.csv", category="Scale simulator", caption="../report/simulate.rst"),
+        summary=f"{RESULTS}/simulate/issue8_check_summary.csv",
+        figure=report(f"{FIGURES}/issue8_check.png", category="Scale simulator", caption="../report/simulate.rst"),
+    params:
+        config=RESOLVED_CONFIG,
+        settings=settings("simulate") if CFG.simulate is not None else "",
+        outdir=output_dir,
+    log:
+        text=f"logs/check_issue8_predictions/{RUN}.log",
+        json=f"logs/check_issue8_predictions/{RUN}.jsonl",
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=5,
+    shell:
+        "python -m occult.prediction_check --config {params.config} --current {input.current} --out {params.outdir}"
+        " --figure {output.figure} --log-json {log.json} 2>&1 | tee {log.text}"
