@@ -55,6 +55,8 @@ rule check_issue8_predictions:
     log:
         text=f"logs/check_issue8_predictions/{RUN}.log",
         json=f"logs/check_issue8_predictions/{RUN}.jsonl",
+    benchmark:
+        f"benchmarks/check_issue8_predictions/{RUN}.tsv"
     conda:
         "../../environment.yml"
     threads: 1
