@@ -23,7 +23,8 @@ import numpy as np
 
 from occult.baselines import get_shape
 from occult.logs import ENV_LOG_JSON, run_main
-from occult.simulate import MEASURED_COLUMNS, PREDICTION_COLUMNS, SimulateError, is_simulated_method, read_table
+from occult.simulate import (MEASURED_COLUMNS, PREDICTION_COLUMNS, SimulateError, identity_axes, is_simulated_method,
+                             read_table)
 
 KEY = ("shape", "method", "kind", "D", "tokens_per_gpu")
 CHECK_COLUMNS = (
@@ -144,19 +145,6 @@ def summary(table):
     return pd.DataFrame(rows, columns=list(SUMMARY_COLUMNS))
 
 
-def _identity_axes(ax, values, tolerance: float | None, log: bool) -> None:
-    low, high = float(np.nanmin(values)), float(np.nanmax(values))
-    line = np.geomspace(low * 0.8, high * 1.25, 50) if log else np.linspace(low * 0.9, high * 1.1, 50)
-    ax.plot(line, line, color="black", lw=0.8)
-    if tolerance is not None:
-        ax.fill_between(line, line * (1 - tolerance), line * (1 + tolerance), color="grey", alpha=0.2,
-                        label=f"±{tolerance:.0%}")
-    if log:
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-    ax.legend(fontsize=6)
-
-
 def plot(table, tolerance: float, out: Path) -> None:
     """Measured vs predicted: time per predictions file (where timed), then E[C_T] and the busiest
     device's load over the mean; colour by (kind, D)."""
@@ -180,7 +168,7 @@ def plot(table, tolerance: float, out: Path) -> None:
             inside = int(group["within_tolerance"].fillna(False).sum())
             ax.scatter(group["measured_ms"], group["predicted_ms"], marker=markers.get(kind, "."), s=16, alpha=0.7,
                        label=f"{kind} D={num_devices}: {inside}/{len(group)}")
-        _identity_axes(ax, rows[["measured_ms", "predicted_ms"]].to_numpy(), tolerance, log=True)
+        identity_axes(ax, rows[["measured_ms", "predicted_ms"]].to_numpy(), tolerance, log=True)
         ax.set_title(f"time, predictions: {name}", fontsize=9)
         ax.set_xlabel("measured ms per layer")
         ax.set_ylabel("predicted ms per layer")
@@ -191,7 +179,7 @@ def plot(table, tolerance: float, out: Path) -> None:
             ax.scatter(group[f"measured_{what}"], group[f"predicted_{what}"], marker=markers.get(kind, "."), s=16,
                        alpha=0.7, label=f"{kind} D={num_devices}")
         if not rows.empty:
-            _identity_axes(ax, rows[[f"measured_{what}", f"predicted_{what}"]].to_numpy(), None, log=False)
+            identity_axes(ax, rows[[f"measured_{what}", f"predicted_{what}"]].to_numpy(), None, log=False)
         ax.set_title(f"{label}" + (f", predictions: {first['predictions'].iloc[0]}" if not first.empty else ""),
                      fontsize=9)
         ax.set_xlabel("measured")

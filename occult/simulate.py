@@ -1896,6 +1896,20 @@ def plot_speedup(predictions, out: Path) -> None:
     plt.close(fig)
 
 
+def identity_axes(ax, values: np.ndarray, tolerance: float | None, log: bool) -> None:
+    """y = x over the range of `values` (with a ±tolerance band if given), log axes if `log`, legend."""
+    low, high = float(np.nanmin(values)), float(np.nanmax(values))
+    line = np.geomspace(low * 0.8, high * 1.25, 50) if log else np.linspace(low * 0.9, high * 1.1, 50)
+    ax.plot(line, line, color="black", lw=0.8)
+    if tolerance is not None:
+        ax.fill_between(line, line * (1 - tolerance), line * (1 + tolerance), color="grey", alpha=0.2,
+                        label=f"±{tolerance:.0%}")
+    if log:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.legend(fontsize=6)
+
+
 def plot_validation(table, tolerance: float, out: Path) -> None:
     """Measured vs predicted per point; calibration and validation points apart; ±tolerance band."""
     import matplotlib
@@ -1912,14 +1926,7 @@ def plot_validation(table, tolerance: float, out: Path) -> None:
         ax.scatter(rows["measured_ms"], rows["predicted_ms"], marker=markers.get(family, "."), s=14,
                    color="tab:blue" if role == "calibration" else "tab:red", alpha=0.7, label=f"{role}: {family}")
     if not table.empty:
-        low, high = table[["measured_ms", "predicted_ms"]].min().min(), table[["measured_ms", "predicted_ms"]].max().max()
-        line = np.geomspace(low * 0.8, high * 1.25, 50)
-        ax.plot(line, line, color="black", lw=0.8)
-        ax.fill_between(line, line * (1 - tolerance), line * (1 + tolerance), color="grey", alpha=0.2,
-                        label=f"±{tolerance:.0%}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.legend(fontsize=6)
+        identity_axes(ax, table[["measured_ms", "predicted_ms"]].to_numpy(), tolerance, log=True)
     ax.set_xlabel("measured ms per layer")
     ax.set_ylabel("predicted ms per layer")
     fig.tight_layout()

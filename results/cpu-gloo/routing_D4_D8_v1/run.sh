@@ -13,3 +13,13 @@ for D in 4 8; do
   done
 done
 echo DONE >> /tmp/cpu8/progress.txt
+# Then, on this CPU at 300e6e1's code (issue8_routing_check.csv, issue8_routing_check_summary.csv):
+# python - <<'PY'
+# import glob
+# from occult.prediction_check import read_sweeps, read_predictions, check, summary
+# D = 'results/cpu-gloo/routing_D4_D8_v1'
+# m = read_sweeps(sorted(glob.glob(D + '/sweep_*.csv')), 'measured')
+# t = check({'preregistered': read_predictions('results/preregistered/issue8_predictions_90f63fd.csv', 'p')}, m, 0.15, routing_only=True)
+# t.to_csv(D + '/issue8_routing_check.csv', index=False, float_format='%.6g')
+# summary(t).to_csv(D + '/issue8_routing_check_summary.csv', index=False, float_format='%.4g')
+# PY
