@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import occult.upcycle as upcycle
-from occult.gguf import GGUFReader, find_gguf, gguf_tokenizer
+import occult.models.upcycle as upcycle
+from occult.models.gguf import GGUFReader, find_gguf, gguf_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 RUN = REPO / "results/nvidia-h200/quality_upcycle_v1_partial"

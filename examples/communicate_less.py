@@ -22,9 +22,9 @@ import torch
 
 from occult.ep import EPStats, run_ranks
 from occult.ep.hf import use_ep
-from occult.models import capture_routing
-from occult.placement import contiguous, expected_ct, greedy_occult
-from occult.profiling import coactivation_counts
+from occult.models.moe import capture_routing
+from occult.routing.placement import contiguous, expected_ct, greedy_occult
+from occult.routing.profiling import coactivation_counts
 
 
 def tiny_model(seed: int, vocab: int = 128):

@@ -26,7 +26,7 @@ LOAD = ("import time; from transformers import AutoModelForCausalLM; from transf
 
 
 def metrics() -> None:
-    from occult.placement import (expected_ct, greedy_occult, intra_device_pair_fraction,
+    from occult.routing.placement import (expected_ct, greedy_occult, intra_device_pair_fraction,
                                   max_device_load_over_mean, trace_metrics)
 
     rng = np.random.default_rng(0)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from occult.ep.plan import DispatchPlan, packed_row_layout
+from occult.kernels.wire_format import DispatchPlan, packed_row_layout
 
 from .combine import cdiv, interpreting, next_pow2
 from .launch import launch
@@ -212,7 +212,7 @@ def dedup_plan_pack(
     hidden = x_TD.shape[1]
     device = x_TD.device
     slots = max(slots, 1)
-    hidden_bytes, row_bytes = packed_row_layout(hidden, x_TD.dtype, slots)
+    hidden_bytes, row_bytes = packed_row_layout(hidden, x_TD.dtype.itemsize, slots)
     buffer = torch.empty(num_rows, row_bytes, dtype=torch.uint8, device=device)
     long = dict(dtype=torch.long, device=device)
     plan = DispatchPlan(

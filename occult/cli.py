@@ -35,7 +35,7 @@ INPUT_ERRORS = (ConfigError, FileNotFoundError, ValueError, zipfile.BadZipFile, 
 
 
 def _data(args, cfg) -> None:
-    from occult.data import build_data
+    from occult.stages.data import build_data
 
     build_data(cfg.data, cfg.seed, Path(args.out), config_hash=cfg.hash())
 
@@ -44,7 +44,7 @@ def _pretrain(args, cfg) -> None:
     """One process, or data parallel over the ranks of `torchrun --nproc_per_node=N occult ...`."""
     import os
 
-    from occult.pretrain import pretrain
+    from occult.stages.pretrain import pretrain
 
     def run() -> None:
         pretrain(cfg, Path(args.data), Path(args.out), Path(args.log), Path(args.structure),
@@ -56,14 +56,14 @@ def _pretrain(args, cfg) -> None:
         return
     import torch
 
-    from occult.ep.dist import run_in_group
+    from occult.harness.ranks import run_in_group
 
     run_in_group(run, "cuda" if torch.cuda.is_available() else "cpu", world, timeout_s=900.0)
 
 
 def _import_checkpoint(args, cfg) -> None:
     """Check that the checkpoint loads as an MoE model, then link it into the work tree."""
-    from occult.models import load_checkpoint, moe_layers
+    from occult.models.moe import load_checkpoint, moe_layers
 
     source = Path(cfg.model.checkpoint).resolve()
     model, _ = load_checkpoint(source)
@@ -74,45 +74,45 @@ def _import_checkpoint(args, cfg) -> None:
 
 
 def _profile(args, cfg) -> None:
-    from occult.profiling import profile
+    from occult.routing.profiling import profile
 
     profile(cfg, Path(args.model), Path(args.data), Path(args.out))
 
 
 def _place(args, cfg) -> None:
-    from occult.placement import run_placement
+    from occult.routing.placement import run_placement
 
     run_placement(cfg, Path(args.profile), Path(args.out), Path(args.table))
 
 
 def _finetune(args, cfg) -> None:
-    from occult.finetune import finetune
+    from occult.stages.finetune import finetune
 
     finetune(cfg, args.variant, Path(args.model), Path(args.data), Path(args.profile),
              Path(args.placements), Path(args.out), Path(args.log))
 
 
 def _evaluate(args, cfg) -> None:
-    from occult.evaluate import evaluate
+    from occult.stages.evaluate import evaluate
 
     evaluate(cfg, args.variant, Path(args.model), Path(args.data), Path(args.profile),
              Path(args.placements), Path(args.out))
 
 
 def _bench(args, cfg) -> None:
-    from occult.bench import run_bench
+    from occult.stages.bench import run_bench
 
     run_bench(cfg, Path(args.profile), Path(args.placements), Path(args.out))
 
 
 def _report(args, cfg) -> None:
-    from occult.report import make_report
+    from occult.report.study import make_report
 
     make_report(cfg, Path(args.results), Path(args.figures))
 
 
 def _simulate(args, cfg) -> None:
-    from occult.simulate import run_simulate
+    from occult.sim.simulator import run_simulate
 
     if cfg.simulate is None:
         raise ConfigError("simulate: the configuration has no simulate section")
@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
           ("--log", "loss log CSV"), ("--structure", "router-structure JSON"),
           outputs=("--out", "--log", "--structure")).add_argument(
         "--step-trace", default=None, metavar="JSON",
-        help="also write a torch.profiler summary of 5 training steps here (occult.steptrace)")
+        help="also write a torch.profiler summary of 5 training steps here (occult.harness.steptrace)")
     stage("import-checkpoint", _import_checkpoint, "validate and link a local HF MoE checkpoint",
           ("--out", "checkpoint directory (a link to model.checkpoint)"))
     stage("profile", _profile, "co-activation, loads and router-logit statistics",

@@ -49,8 +49,8 @@ class ModelConfig:
     top_k: int
     expert_ffn: int
     max_seq_len: int
-    experts_kernel: str = "grouped"     # "triton": the EP runtime's fused kernels (GPU), occult.models
-    router_noise: float = 0.0           # upcycle: noise on the tied group router rows (occult.upcycle)
+    experts_kernel: str = "grouped"     # "triton": the EP runtime's fused kernels (GPU), occult.models.moe
+    router_noise: float = 0.0           # upcycle: noise on the tied group router rows (occult.models.upcycle)
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class FinetuneConfig:
     batch_size: int
     seq_len: int
     lr: float
-    quality_grid: bool = False          # also every arm of occult.variants.quality_arms (presets mini, upcycle)
+    quality_grid: bool = False          # also every arm of occult.routing.variants.quality_arms (presets mini, upcycle)
 
 
 @dataclass(frozen=True)
@@ -126,12 +126,12 @@ class SimulateConfig:
     tolerance: float
     hbm_gbps: float | None = None       # HBM bandwidth: floor of the kernels' weight reads (None: no floor)
     kernel_stream_gbps: float | None = None   # small Occult expert calls' weight streaming (None: hbm_gbps)
-    kernel_stream_csv: str | None = None      # or fitted from these calls measured (occult.simulate.fit_weight_streaming)
+    kernel_stream_csv: str | None = None      # or fitted from these calls measured (occult.sim.simulator.fit_weight_streaming)
     folders: dict = dataclasses.field(default_factory=dict)   # name -> folder, written `$name` in entries
     history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
     shared_ab: tuple = ()               # ([file with shared experts, file without], ...): the shared expert's cost
-    host_speed: str = "auto"            # auto | none | launch | python: host terms scaled by a probe (occult.simulate.host_scale_of_set)
-    issue8_check: dict | None = None    # {predictions: FILE, measured: [FILE, ...]}: occult.prediction_check
+    host_speed: str = "auto"            # auto | none | launch | python: host terms scaled by a probe (occult.sim.simulator.host_scale_of_set)
+    issue8_check: dict | None = None    # {predictions: FILE, measured: [FILE, ...]}: occult.sim.check
 
     def expand(self, text: str, field: str) -> str:
         """`text` with every `$name` replaced by `folders[name]`."""
@@ -155,7 +155,7 @@ class SimulateConfig:
         return list(dict.fromkeys(files))
 
     def issue8_files(self) -> tuple[str, list[str]]:
-        """(the pre-registered predictions, the measured sweeps) that `occult.prediction_check` compares;
+        """(the pre-registered predictions, the measured sweeps) that `occult.sim.check` compares;
         no measured file: the check has nothing to do."""
         if self.issue8_check is None:
             return "", []
@@ -190,7 +190,7 @@ class Config:
     finetune: FinetuneConfig
     evaluate: EvaluateConfig
     bench: BenchConfig
-    simulate: SimulateConfig | None = None   # optional section: the scale simulator (occult.simulate)
+    simulate: SimulateConfig | None = None   # optional section: the scale simulator (occult.sim.simulator)
     raw: dict = dataclasses.field(repr=False, compare=False, default_factory=dict)
 
     @property
@@ -328,8 +328,8 @@ def _check_semantics(cfg: Config) -> None:
 
 def _check_upcycle(m: ModelConfig) -> None:
     """The dense GGUF exists and the model sizes written in the config are the ones it gives."""
-    from occult.gguf import GGUFError, GGUFReader, find_gguf
-    from occult.upcycle import dense_shape
+    from occult.models.gguf import GGUFError, GGUFReader, find_gguf
+    from occult.models.gguf import dense_shape
 
     if not m.checkpoint:
         raise ConfigError("model.checkpoint: required when model.source is 'upcycle' (a .gguf file or distribution)")

@@ -141,13 +141,13 @@ def test_missing_input_gives_one_line_naming_the_file(tmp_path, capsys, stage):
 
 
 def test_a_paused_pretrain_exits_3_with_one_line(tmp_path, capsys, monkeypatch):
-    import occult.pretrain
-    from occult.pretrain import PretrainPaused
+    import occult.stages.pretrain
+    from occult.stages.pretrain import PretrainPaused
 
     def paused(*args, **kwargs):
         raise PretrainPaused("pretraining paused at step 7 of 10; run the same command again to continue")
 
-    monkeypatch.setattr(occult.pretrain, "pretrain", paused)
+    monkeypatch.setattr(occult.stages.pretrain, "pretrain", paused)
     out = tmp_path / "out"
     code = main(["pretrain", "--config", str(REPO / "config" / "config.yaml"), "--data", str(tmp_path / "data"),
                  "--out", str(out / "m"), "--log", str(out / "l.csv"), "--structure", str(out / "s.json")])

@@ -29,9 +29,9 @@ import yaml
 from occult import logs
 from occult.cli import build_parser, main
 from occult.logs import log_event, offending_file, progress, run_main, setup_logging
-from test_models import tiny_model_cfg, write_standin_data
-from test_placement import write_profile
-from test_profiles import SNAKEMAKE, directive, rule_blocks, snakemake
+from tests.models.test_moe import tiny_model_cfg, write_standin_data
+from tests.routing.test_placement import write_profile
+from tests.workflow.test_profiles import SNAKEMAKE, directive, rule_blocks, snakemake
 
 REPO = Path(__file__).resolve().parent.parent
 OCCULT = str(Path(sys.executable).parent / "occult")
@@ -201,9 +201,9 @@ def test_truncated_profile_exits_1_with_a_failed_record_naming_the_file(tmp_path
     assert [r["event"] for r in recs] == ["start", "config", "failed"]
     failed = recs[-1]
     assert failed["level"] == "ERROR" and failed["stage"] == "place" and failed["exit_code"] == 1
-    assert failed["exception_type"] == "occult.placement.PlacementFileError"
+    assert failed["exception_type"] == "occult.routing.placement.PlacementFileError"
     assert failed["file"] == str(npz) and str(npz) in failed["exception_message"]
-    assert failed["where"]["file"] == "occult/placement.py" and failed["where"]["line"] > 0
+    assert failed["where"]["file"] == "occult/routing/placement.py" and failed["where"]["line"] > 0
     assert "Traceback (most recent call last)" in failed["traceback"] and failed["elapsed_s"] >= 0
     err_lines = [line for line in capsys.readouterr().err.splitlines() if " occult INFO " not in line]
     assert err_lines == [failed["message"]] and err_lines[0].startswith("occult place: error: ")
@@ -218,12 +218,12 @@ def test_bad_config_exits_2_with_a_failed_record_naming_the_field(tmp_path):
 
 
 def test_unexpected_error_prints_its_traceback_and_is_recorded(tmp_path, capsys, monkeypatch):
-    import occult.placement
+    import occult.routing.placement
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(occult.placement, "run_placement", broken)
+    monkeypatch.setattr(occult.routing.placement, "run_placement", broken)
     assert main(place_args(tmp_path, tmp_path / "profile")) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err
@@ -294,7 +294,7 @@ def test_run_main_records_done_and_failure(tmp_path, capsys):
 
 def test_placement_study_module_failure_names_the_file(tmp_path):
     log = tmp_path / "study.jsonl"
-    out = subprocess.run([sys.executable, "-m", "occult.placement_study", "--profile-dir", str(tmp_path / "none"),
+    out = subprocess.run([sys.executable, "-m", "occult.stages.placement_study", "--profile-dir", str(tmp_path / "none"),
                           "--out", str(tmp_path / "s.csv"), "--synthetic", "--log-json", str(log)],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 1, out.stderr[-2000:]
@@ -369,7 +369,7 @@ def test_failing_finetune_arm_writes_a_failed_record(micro_model, tmp_path):
     placement; the run exits 1 with a `failed` record naming the placement file."""
     log = tmp_path / "finetune.jsonl"
     out = subprocess.run(
-        [sys.executable, "-m", "occult.finetune", "--config", str(micro_model["config"]),
+        [sys.executable, "-m", "occult.stages.finetune", "--config", str(micro_model["config"]),
          "--model", str(micro_model["model"]), "--data", str(micro_model["data"]),
          "--profile", str(tmp_path / "profile"), "--placements", str(tmp_path / "no_placements"),
          "--out", str(tmp_path / "arms"), "--logs", str(tmp_path / "arm_logs"), "--log-json", str(log)],
@@ -380,7 +380,7 @@ def test_failing_finetune_arm_writes_a_failed_record(micro_model, tmp_path):
     failed = recs[-1]
     assert failed["stage"] == "finetune_arms" and failed["exit_code"] == 1 and failed["level"] == "ERROR"
     assert failed["file"] is not None and failed["file"].startswith(str(tmp_path / "no_placements"))
-    assert failed["where"]["file"] in ("occult/placement.py", "occult/variants.py")
+    assert failed["where"]["file"] in ("occult/routing/placement.py", "occult/routing/variants.py")
     assert out.stderr.rstrip().splitlines()[-1] == failed["message"]
     assert failed["message"].startswith("occult.finetune_arms: error: ")
 
@@ -430,7 +430,7 @@ def test_dry_run_passes_json_logs_to_every_occult_command():
 
 def test_plot_quality_summarises_a_committed_quality_run_with_a_json_log(tmp_path):
     """Dormant until a results/<machine>/quality_<v>/evaluate/ exists; then `rule all` asks for its
-    table and figure, made by `python -m occult.evaluate --summarise` as a logged stage."""
+    table and figure, made by `python -m occult.stages.evaluate --summarise` as a logged stage."""
     run_dir = tmp_path / "results" / "box" / "quality_v9"
     (run_dir / "evaluate").mkdir(parents=True)
     arms = (("raw", "raw", 0.5), ("sft-moe", "sft", 0.7), ("prune2-sim-D8-keep-moe", "prune2-sim", 0.68))

@@ -22,9 +22,9 @@ import torch
 import yaml
 
 from occult.cli import main
-from occult.ep.dist import RankFailure, run_ranks
+from occult.harness.ranks import RankFailure, run_ranks
 from occult.provenance import atomic_path, write_json
-from test_models import EOT, tiny_model_cfg, write_standin_data
+from tests.models.test_moe import EOT, tiny_model_cfg, write_standin_data
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -223,7 +223,7 @@ def cli(*argv: str) -> int:
 def stages(tmp_path_factory) -> Stages:
     from transformers import AutoTokenizer
 
-    from occult.models import build_tiny_olmoe
+    from occult.models.moe import build_tiny_olmoe
 
     root = tmp_path_factory.mktemp("resilience")
     data = write_standin_data(root / "data")

@@ -5,7 +5,7 @@
 runs a function on CPU gloo ranks; `hf.use_ep` puts a transformers MoE model's experts on EP.
 """
 
-from occult.ep.dist import RankFailure, run_ranks
+from occult.harness.ranks import RankFailure, run_ranks
 from occult.ep.layer import BACKENDS, EPStats, ExpertBackend, ep_moe, get_backend
 from occult.ep.plan import (
     MODES,

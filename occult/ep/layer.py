@@ -225,7 +225,7 @@ def _pack_rows(x_TD: torch.Tensor, gate_P: torch.Tensor, plan: DispatchPlan) -> 
     """uint8 [S, row bytes]: each sent row = its hidden vector, then `slots` int32 local expert
     ids (−1 = empty) and `slots` fp32 gates."""
     hidden, slots = x_TD.shape[1], plan.slots
-    hidden_bytes, row_bytes = packed_row_layout(hidden, x_TD.dtype, slots)
+    hidden_bytes, row_bytes = packed_row_layout(hidden, x_TD.dtype.itemsize, slots)
     buf = torch.empty(plan.num_rows, row_bytes, dtype=torch.uint8, device=x_TD.device)
     x_view = buf[:, : hidden * x_TD.element_size()].view(x_TD.dtype)
     if plan.capacity is None:
@@ -245,7 +245,7 @@ def _unpack_rows(
     buf: torch.Tensor, hidden: int, dtype: torch.dtype, slots: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_RD, code_RK int32, gate_RK fp32): strided views into a packed buffer."""
-    hidden_bytes, _ = packed_row_layout(hidden, dtype, slots)
+    hidden_bytes, _ = packed_row_layout(hidden, dtype.itemsize, slots)
     meta = buf[:, hidden_bytes:].view(torch.int32)
     return buf[:, : hidden * dtype.itemsize].view(dtype), meta[:, :slots], meta[:, slots : 2 * slots].view(torch.float32)
 
@@ -497,7 +497,7 @@ def _record(stats: EPStats, received: Received, rank: int, x_TD: torch.Tensor, z
         stats.rows_self += x_TD.shape[0]
         stats.pairs_received += int(received.expert_offsets[-1])       # host sync
         return
-    _, row_bytes = packed_row_layout(x_TD.shape[1], x_TD.dtype, plan.slots)   # packed: hidden + slots
+    _, row_bytes = packed_row_layout(x_TD.shape[1], x_TD.dtype.itemsize, plan.slots)   # packed: hidden + slots
     back_bytes = x_TD.shape[1] * z_SD.element_size()
     rows, pairs = plan.rows_per_device, plan.pairs_per_device
     if plan.capacity is not None:       # static: every row is on the wire; count the pairs (sync)

@@ -54,16 +54,9 @@ from dataclasses import dataclass
 
 import torch
 
+from occult.kernels.wire_format import META_BYTES_PER_PAIR, ROW_ALIGN_BYTES, DispatchPlan, packed_row_layout  # noqa: F401
+
 MODES = ("dedup", "per_expert")
-META_BYTES_PER_PAIR = 8  # int32 code + fp32 gate
-ROW_ALIGN_BYTES = 64     # packed rows start 64-byte aligned: the kernels' row loads stay 16-byte vectors
-
-
-def packed_row_layout(hidden: int, dtype: torch.dtype, slots: int) -> tuple[int, int]:
-    """(bytes of the hidden part, padded to 4; bytes of a packed row, padded to ROW_ALIGN_BYTES)."""
-    hidden_bytes = -(-hidden * dtype.itemsize // 4) * 4
-    row_bytes = hidden_bytes + META_BYTES_PER_PAIR * slots
-    return hidden_bytes, -(-row_bytes // ROW_ALIGN_BYTES) * ROW_ALIGN_BYTES
 
 
 def check_placement(device_of_expert_E: torch.Tensor, num_devices: int) -> torch.Tensor:
@@ -129,33 +122,6 @@ class PlanCounts:
     counts_D3: torch.Tensor          # int64 [D, 3] rows and pairs sent to each device, and (same in
                                      # every row) the most pairs any sent row carries
     devices_per_token_T: torch.Tensor  # int64 [T] C_T
-
-
-@dataclass(frozen=True)
-class DispatchPlan:
-    """Everything the source rank needs to send its tokens and combine what comes back.
-
-    S = rows sent (all destinations), P = T*k pairs sent, J = D (dedup) or k (per_expert).
-    """
-
-    mode: str
-    num_devices: int
-    send_token_S: torch.Tensor       # int64 [S] token of each sent row, grouped by destination
-    pair_code_P: torch.Tensor        # int32 [P] 2 * local expert + starts_row, send order
-    pair_slot_P: torch.Tensor        # int64 [P] index t*k + j of the pair's gate in weights_TK
-    brim0_TJ: torch.Tensor           # int64 [T, J] row of token t's j-th partial, or -1
-    devices_per_token_T: torch.Tensor  # int64 [T] C_T
-    rows_per_device: list[int]       # host: rows sent to each device (all-to-all split sizes)
-    pairs_per_device: list[int]      # host: pairs sent to each device
-    pair_row_P: torch.Tensor | None = None   # int64 [P] row of each pair in the send buffer
-    pair_rank_P: torch.Tensor | None = None  # int64 [P] the pair's slot within its row (< slots)
-    slots: int = 1                   # metadata slots per packed row (max pairs per row)
-    capacity: int | None = None      # static plans: rows per destination (row d*C + t = token t)
-    pairs_in_token_order: bool = False  # pair_slot_P is arange(T*k): pair p is (t, j) = divmod(p, k)
-
-    @property
-    def num_rows(self) -> int:
-        return sum(self.rows_per_device)
 
 
 def count_plan(

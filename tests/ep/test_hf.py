@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import OlmoeConfig, OlmoeForCausalLM
 
-from occult.ep.dist import run_ranks
+from occult.harness.ranks import run_ranks
 from occult.ep.hf import IMPLEMENTATION_NAME, moe_experts_modules, placements_from_json, use_ep
 from occult.ep.plan import experts_of_device
 
@@ -99,8 +99,8 @@ def _other_family_logits(rank: int, world: int, arch: str, mode: str) -> float:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from test_models import tiny_hf_model
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.models.test_moe import tiny_hf_model
 
     model = tiny_hf_model(arch, VOCAB).float()
     modules = moe_experts_modules(model)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from occult.ep.dist import RankFailure, run_ranks
+from occult.harness.ranks import RankFailure, run_ranks
 from occult.ep.layer import EPStats, ep_moe, get_backend
 from occult.ep.plan import contiguous_placement, experts_of_device
 from occult.kernels.reference import moe_dense_ref
@@ -240,7 +240,7 @@ def _rendezvous_fails_once(marker, real_init):
 
 
 def test_run_ranks_retries_a_failed_rendezvous_but_never_a_failing_fn(monkeypatch, tmp_path):
-    import occult.ep.dist as dist_module
+    import occult.harness.ranks as dist_module
 
     real_init = torch.distributed.init_process_group
     attempts = dist_module.RENDEZVOUS_ATTEMPTS
@@ -279,7 +279,7 @@ def test_run_ranks_retries_a_failed_rendezvous_but_never_a_failing_fn(monkeypatc
 
 
 def test_run_in_group_names_a_group_size_that_does_not_match_the_launch(monkeypatch, tmp_path):
-    from occult.ep.dist import run_in_group
+    from occult.harness.ranks import run_in_group
 
     called = []
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from occult.kernels import combine, combine_ref
+from occult.kernels.combine import combine
+from occult.kernels.reference import combine_ref
 from occult.kernels.combine import row_csr, segment_sum_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -137,7 +138,8 @@ def test_bf16_on_gpu():
 
 def test_the_three_ops_trace_under_torch_compile():
     """swiglu → down_reduce → combine in one fullgraph torch.compile (fake impls + autograd)."""
-    from occult.kernels import grouped_down_reduce, grouped_swiglu
+    from occult.kernels.grouped_down_reduce import grouped_down_reduce
+    from occult.kernels.grouped_swiglu import grouped_swiglu
 
     gen = torch.Generator().manual_seed(5)
     rows, hidden, ffn, experts = 12, 32, 16, 3
@@ -169,7 +171,8 @@ def test_eager_calls_skip_the_custom_ops_only_when_nothing_needs_them(monkeypatc
     custom ops run, with autograd or without."""
     import importlib
 
-    from occult.kernels import grouped_down_reduce, grouped_swiglu
+    from occult.kernels.grouped_down_reduce import grouped_down_reduce
+    from occult.kernels.grouped_swiglu import grouped_swiglu
 
     modules = {name: importlib.import_module(f"occult.kernels.{name}")
                for name in ("combine", "grouped_swiglu", "grouped_down_reduce")}

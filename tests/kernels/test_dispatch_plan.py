@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from occult.ep.dist import run_ranks
+from occult.harness.ranks import run_ranks
 from occult.ep.layer import _pack_rows, ep_moe, get_backend
 from occult.ep.plan import count_dedup_plan, experts_of_device, finish_dedup_plan, local_expert_ids, packed_row_layout
 from occult.kernels.dispatch_plan import block_tokens, dedup_plan_count, dedup_plan_pack
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ep"))
-from test_plan import CASES, routing, shuffled_placement  # noqa: E402
+from tests.ep.test_plan import CASES, routing, shuffled_placement  # noqa: E402
 
 EXTRA = [("random", 300, 16, 4, 2), ("random", 300, 64, 8, 8), ("hot", 140, 32, 6, 4), ("random", 9, 6, 2, 1)]
 
@@ -69,7 +68,7 @@ def test_several_token_blocks_int32_ids_strided_x_odd_hidden_and_bf16_gates():
     fused = dedup_plan_count(ids.int(), placement, num_devices)
     got, buffer = dedup_plan_pack(fused, ids.int(), weights, x, placement, local_expert_ids(placement, num_devices),
                                   want.rows_per_device, want.pairs_per_device, slots)
-    hidden_bytes, _ = packed_row_layout(33, torch.float16, slots)
+    hidden_bytes, _ = packed_row_layout(33, torch.float16.itemsize, slots)
     assert fused.cum_rows_DB.shape[1] == 4
     assert torch.equal(got.brim0_TJ, want.brim0_TJ) and torch.equal(got.pair_row_P, want.pair_row_P)
     assert torch.equal(buffer[:, : 33 * 2], want_buf[:, : 33 * 2])            # the pad bytes are unset in both
@@ -289,7 +288,7 @@ def test_the_fused_plan_can_be_switched_off_for_a_b_runs(monkeypatch):
 
 
 def test_the_one_device_forward_launches_only_brim1_and_the_experts():
-    from occult.ep.launches import count_forward
+    from occult.harness.host_cost import count_forward
 
     fused, plain = count_forward(True), count_forward(False)
     # one device: no plan or pack, only BRIM_1 (2 launches against plain torch's sort) and the experts

@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from occult.kernels import grouped_down_reduce, grouped_down_reduce_ref
+from occult.kernels.grouped_down_reduce import grouped_down_reduce
+from occult.kernels.reference import grouped_down_reduce_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -265,7 +266,8 @@ def row_table(pair_row: torch.Tensor, rows: int, width: int) -> torch.Tensor:
 def test_row_table_path_matches_reference(case, poisoned_empty):
     """With `row_pairs_RK` the reduction (down forward, SwiGLU dx) gathers through the table; a
     one-column table with one pair per row (hot_expert) takes the direct-store path."""
-    from occult.kernels import grouped_swiglu, grouped_swiglu_ref
+    from occult.kernels.grouped_swiglu import grouped_swiglu
+    from occult.kernels.reference import grouped_swiglu_ref
 
     h, pair_row, gate, offsets, w, rows = make_case(case, torch.float32)
     width = max([1] + torch.bincount(pair_row.cpu(), minlength=rows).tolist())

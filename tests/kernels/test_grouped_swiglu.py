@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from occult.kernels import grouped_swiglu, grouped_swiglu_ref
+from occult.kernels.grouped_swiglu import grouped_swiglu
+from occult.kernels.reference import grouped_swiglu_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -355,7 +356,7 @@ def test_descriptor_kernels_replay_from_a_cuda_graph():
     """The device-side tensor descriptors take scratch from torch's allocator at launch: captured
     in a CUDA graph (as `occult.ep.graph` captures the layer), the forward SwiGLU and down GEMMs
     replay on new inputs to the eager result."""
-    from occult.kernels import grouped_down_reduce
+    from occult.kernels.grouped_down_reduce import grouped_down_reduce
 
     gen = torch.Generator().manual_seed(11)
     rows, hidden, ffn, experts = 600, 256, 128, 8
@@ -429,7 +430,8 @@ def _compile_every_launch_for_sm90() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from occult.kernels import combine, grouped_down_reduce
+    from occult.kernels.combine import combine
+    from occult.kernels.grouped_down_reduce import grouped_down_reduce
 
     modules = [importlib.import_module(f"occult.kernels.{name}")
                for name in ("grouped_swiglu", "grouped_down_reduce", "combine", "dispatch_plan")]

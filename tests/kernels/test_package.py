@@ -1,5 +1,6 @@
-"""The kernels exist once per process: `kernels/` is `occult.kernels`, whatever imports it, and the
-top-level name `kernels` goes to the Hugging Face package of that name when it is installed."""
+"""The kernels exist once per process: `kernels/` is installed as `occult.kernels`, and has no
+`__init__.py`, so with the repository root on sys.path (as under `python -m` from the root) the
+top-level name `kernels` stays with the Hugging Face package of that name, which transformers imports."""
 
 from __future__ import annotations
 
@@ -10,29 +11,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Run from the repository root with it on sys.path (as `python -m` and pytest do). transformers'
-# probe for the Hugging Face `kernels` package imports a top-level `kernels`; before the alias in
-# kernels/__init__.py that made a second copy whose custom-op registration took over, so a forced
-# config set on occult.kernels was not what an autograd-recording call launched.
-SCRIPT = """
-import importlib, sys
+ONE_COPY = """
+import sys
 import torch
-swiglu_module = importlib.import_module("occult.kernels.grouped_swiglu")
-from occult.kernels import grouped_swiglu
 import transformers.integrations.hub_kernels
-from occult._top_level_kernels import installed_elsewhere
-if installed_elsewhere("kernels", sys.modules["occult.kernels"].__file__) is None:
-    assert sys.modules["kernels"] is sys.modules["occult.kernels"], sys.modules["kernels"]
-    try:
-        import kernels.grouped_swiglu
-    except ImportError as error:
-        assert "import them as occult.kernels" in str(error), error
-    else:
-        raise AssertionError("kernels.grouped_swiglu imported as a second copy")
-else:  # the Hugging Face package (transformers >= 5.25 requires it) keeps its name
-    assert sys.modules["kernels"] is not sys.modules["occult.kernels"]
-    assert "grouped_swiglu" not in vars(sys.modules["kernels"])
-    assert not hasattr(sys.modules["kernels"], "grouped_swiglu_ref")
+from occult.kernels import grouped_swiglu as swiglu_module
+from occult.kernels.grouped_swiglu import grouped_swiglu
+top = sys.modules.get("kernels")
+assert top is None or not hasattr(top, "grouped_swiglu"), top
+assert not any(name.startswith("kernels.") and "swiglu" in name for name in sys.modules), sorted(sys.modules)
 x = torch.randn(8, 32, requires_grad=True)
 w = torch.randn(2, 32, 32, requires_grad=True)
 meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
@@ -44,56 +31,34 @@ print("one copy")
 """
 
 
-def test_a_top_level_kernels_import_is_the_one_package():
+def test_transformers_and_occult_kernels_load_one_copy_from_the_repository_root():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", ONE_COPY], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "one copy" in done.stdout
 
 
-FAKE_PACKAGE_SCRIPT = """
-import sys
+OTHER = """
 import kernels
 assert kernels.WHO == "the other kernels", kernels
 assert kernels.sub.VALUE == 7
-import occult.kernels
-assert sys.modules["kernels"] is kernels and kernels is not occult.kernels
-assert callable(occult.kernels.grouped_swiglu)
-print("handed over")
+import occult.kernels.combine
+print("the other package")
 """
 
-FAKE_INIT = "from kernels.sub import VALUE\nfrom kernels import sub\nWHO = 'the other kernels'\n"
 
-
-def _fake_kernels_package(where: Path, init: str) -> None:
-    (where / "kernels").mkdir()
-    (where / "kernels" / "__init__.py").write_text(init)
-    (where / "kernels" / "sub.py").write_text("VALUE = 7\n")
-
-
-def test_the_top_level_name_goes_to_another_installed_kernels_package(tmp_path):
-    _fake_kernels_package(tmp_path, FAKE_INIT)
-    # the repository root comes first on sys.path (cwd), as under pytest; the other package after it
+def test_an_installed_kernels_package_keeps_its_name_behind_the_repository_root(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("from kernels import sub\nWHO = 'the other kernels'\n")
+    (tmp_path / "kernels" / "sub.py").write_text("VALUE = 7\n")
+    # the repository root comes first on sys.path (cwd); the other package after it
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", FAKE_PACKAGE_SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "handed over" in done.stdout
-
-
-def test_a_failing_other_kernels_package_fails_loudly_and_leaves_no_half_module(tmp_path):
-    _fake_kernels_package(tmp_path, "raise RuntimeError('broken other kernels')\n")
-    script = (
-        "import sys\n"
-        "try:\n    import kernels\n"
-        "except RuntimeError as error:\n    assert 'broken other kernels' in str(error)\n"
-        "else:\n    raise AssertionError('imported')\n"
-        "assert 'kernels' not in sys.modules, sys.modules.get('kernels')\n"
-        "print('raised')\n"
-    )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", OTHER], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "raised" in done.stdout
+    assert "the other package" in done.stdout
+
+
+def test_the_kernels_folder_is_no_regular_package():
+    assert not (ROOT / "kernels" / "__init__.py").exists()

@@ -64,7 +64,7 @@ rule plot_quality:
         mem_mb=2000,
         runtime=10,
     shell:
-        "python -m occult.evaluate --summarise {params.run_dir} --figures {params.figures}"
+        "python -m occult.stages.evaluate --summarise {params.run_dir} --figures {params.figures}"
         " --log-json {log.json} > {log.text} 2>&1"
 
 
@@ -95,7 +95,7 @@ rule quality_replicates:
         mem_mb=2000,
         runtime=10,
     shell:
-        "python -m occult.evaluate --replicates {input.spec} --out {output.table} --figure {output.figure}"
+        "python -m occult.stages.evaluate --replicates {input.spec} --out {output.table} --figure {output.figure}"
         " --log-json {log.json} > {log.text} 2>&1"
 
 
@@ -129,7 +129,7 @@ rule evaluate_quality_arms:
         runtime=240,
         gpus=0,             # the gpu and slurm profiles give it one
     shell:
-        "python -m occult.evaluate --config {params.config} --model {input.model} --arms {input.arms}"
+        "python -m occult.stages.evaluate --config {params.config} --model {input.model} --arms {input.arms}"
         " --data {params.data} --profile {params.profile} --placements {params.placements}"
         " --out {output.scores} --log-json {log.json} 2>&1 | tee {log.text}"
 
@@ -158,5 +158,5 @@ rule summarise_quality_arms:
         mem_mb=2000,
         runtime=10,
     shell:
-        "python -m occult.evaluate --summarise {params.run_dir} --figures {params.figures}"
+        "python -m occult.stages.evaluate --summarise {params.run_dir} --figures {params.figures}"
         " --log-json {log.json} > {log.text} 2>&1"

@@ -32,7 +32,7 @@ rule finetune_variant:
         " --log-json {log.json} 2>&1 | tee {log.text}"
 
 
-# The quality study's whole grid (occult.variants.quality_arms: every D of the study, the gate
+# The quality study's whole grid (occult.routing.variants.quality_arms: every D of the study, the gate
 # ablation, full fine-tuning) where finetune.quality_grid is set (presets mini and upcycle): every
 # arm in one job, data encoded once and arms already saved skipped, as gpu_quality.sh runs it on
 # the lent GPUs (docs/quality.md).
@@ -64,6 +64,6 @@ rule finetune_quality_arms:
         runtime=240,
         gpus=0,             # the gpu and slurm profiles give it one
     shell:
-        "python -m occult.finetune --config {params.config} --model {input.model} --data {params.data}"
+        "python -m occult.stages.finetune --config {params.config} --model {input.model} --data {params.data}"
         " --profile {params.profile} --placements {params.placements} --out {output.arms}"
         " --logs {output.logs} --log-json {log.json} 2>&1 | tee {log.text}"

@@ -26,7 +26,7 @@ rule run_gpu_sweep:
         runtime=60,
     shell:
         "OCCULT_LOG_JSON={log.json} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
-        " torchrun --nproc_per_node={wildcards.devices} -m occult.sweep --kind {wildcards.kind}"
+        " torchrun --nproc_per_node={wildcards.devices} -m occult.harness.sweep --kind {wildcards.kind}"
         " --shapes {params.shapes} --methods {params.methods} --repeats 20 --warmup 5"
         " --out {output.csv} > {log.text} 2>&1"
 
@@ -56,7 +56,7 @@ rule plot_gpu_sweeps:
         mem_mb=2000,
         runtime=10,
     shell:
-        "OCCULT_LOG_JSON={log.json} python -m occult.gpu_report --run-dir {params.run_dir} --figures {output.figures}"
+        "OCCULT_LOG_JSON={log.json} python -m occult.report.gpu_runs --run-dir {params.run_dir} --figures {output.figures}"
         " > {log.text} 2>&1"
 
 
@@ -86,7 +86,7 @@ rule plot_ep_bench:
         mem_mb=2000,
         runtime=10,
     shell:
-        "OCCULT_LOG_JSON={log.json} python -m occult.gpu_report --ep --run-dir {params.run_dir}"
+        "OCCULT_LOG_JSON={log.json} python -m occult.report.gpu_runs --ep --run-dir {params.run_dir}"
         " --figures {output.figures} > {log.text} 2>&1"
 
 
@@ -115,5 +115,5 @@ rule plot_kernel_bench:
         mem_mb=2000,
         runtime=10,
     shell:
-        "OCCULT_LOG_JSON={log.json} python -m occult.gpu_report --kernels --run-dir {params.run_dir}"
+        "OCCULT_LOG_JSON={log.json} python -m occult.report.gpu_runs --kernels --run-dir {params.run_dir}"
         " --figures {params.figures} > {log.text} 2>&1"

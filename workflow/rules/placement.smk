@@ -53,13 +53,13 @@ rule study_placement:
         mem_mb=4000,
         runtime=30,
     shell:
-        "python -m occult.placement_study --profile-dir {params.profile} --out {output.study}"
+        "python -m occult.stages.placement_study --profile-dir {params.profile} --out {output.study}"
         " --sensitivity-out {output.sensitivity} --synthetic {params.synthetic} --seed {params.seed}"
         " --swap-rounds {params.rounds} --log-json {log.json} 2>&1 | tee {log.text}"
 
 
 # The figure of a committed placement study of a GPU run's routing sample (CPU only). The study
-# itself is a committed result: `python -m occult.placement_study --profile-dir
+# itself is a committed result: `python -m occult.stages.placement_study --profile-dir
 # results/<machine>/quality_<version>/profile ...` (docs/placement.md gives the command).
 rule plot_placement_study_gpu:
     input:
@@ -85,5 +85,5 @@ rule plot_placement_study_gpu:
         mem_mb=2000,
         runtime=10,
     shell:
-        "python -m occult.placement_study --plot {input.study} --figure {output.figure}"
+        "python -m occult.stages.placement_study --plot {input.study} --figure {output.figure}"
         " --log-json {log.json} > {log.text} 2>&1"

@@ -35,7 +35,7 @@ rule simulate_scale:
         mem_mb=4000,
         runtime=15,
     shell:
-        "python -m occult.simulate --config {params.config} --out {params.outdir} --figures {params.figures}"
+        "python -m occult.sim.simulator --config {params.config} --out {params.outdir} --figures {params.figures}"
         " --log-json {log.json} 2>&1 | tee {log.text}"
 
 
@@ -64,5 +64,5 @@ rule check_issue8_predictions:
         mem_mb=2000,
         runtime=5,
     shell:
-        "python -m occult.prediction_check --config {params.config} --current {input.current} --out {params.outdir}"
+        "python -m occult.sim.check --config {params.config} --current {input.current} --out {params.outdir}"
         " --figure {output.figure} --log-json {log.json} 2>&1 | tee {log.text}"

@@ -4,7 +4,7 @@
 #   1. MegaBlocks (cached wheels or a build) and Tutel from carried sources,
 #   2. the EP runtime's benchmark (gpu_ep_bench.sh),
 #   3. the baselines' sweeps at D = all GPUs: prefill, train, decode (gpu_sweeps.sh),
-#   4. the all-to-all / grouped-GEMM microbenchmark for the simulator (occult.commbench), if present,
+#   4. the all-to-all / grouped-GEMM microbenchmark for the simulator (occult.harness.commbench), if present,
 #   5. the sweeps at D = 1 (prefill) when time is left.
 # Usage: gpu_all.sh OUTDIR SDIST_DIR ROUTING_NPZ   (long: start it with setsid and poll OUTDIR/done)
 set -uo pipefail
@@ -33,9 +33,9 @@ tail -6 "$out/build.log"
 mkdir -p "$out/wheels" && cp /tmp/occult-baselines/wheels/*.whl "$out/wheels/" 2>/dev/null
 bash "$here/gpu_ep_bench.sh" "$out/ep" "$trace" 2>&1 | tee "$out/ep.log"
 SWEEP_DS=$gpus bash "$here/gpu_sweeps.sh" "$out/sweeps" prefill train decode 2>&1 | tee "$out/sweeps.log"
-if [ -f occult/commbench.py ]; then
+if [ -f occult/harness/commbench.py ]; then
   echo "== commbench ($(date -u +%T))"
-  timeout 180 torchrun --nproc_per_node="$gpus" -m occult.commbench --out "$out/comm" > "$out/comm.log" 2>&1
+  timeout 180 torchrun --nproc_per_node="$gpus" -m occult.harness.commbench --out "$out/comm" > "$out/comm.log" 2>&1
   tail -5 "$out/comm.log"
 fi
 if [ "$gpus" -gt 1 ]; then SWEEP_DS=1 bash "$here/gpu_sweeps.sh" "$out/sweeps" prefill 2>&1 | tee -a "$out/sweeps.log"; fi

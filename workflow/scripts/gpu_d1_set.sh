@@ -19,10 +19,10 @@ export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 machine_facts > "$out/machine.txt" 2>&1
 trace=${TRACE:-results/nvidia-h200/quality_upcycle_v4/profile/routing_heldout_sample.npz}
 limit=${D1_SET_PART_S:-150}
-sweep() {   # NAME, then occult.sweep's arguments
+sweep() {   # NAME, then occult.harness.sweep's arguments
     local name=$1; shift
     echo "== $name ($(date -u +%T))"
-    timeout "$limit" python3 -m occult.sweep "$@" --repeats 20 --warmup 5 --timeout-s 60 --out "$out/$name.csv" \
+    timeout "$limit" python3 -m occult.harness.sweep "$@" --repeats 20 --warmup 5 --timeout-s 60 --out "$out/$name.csv" \
         > "$out/$name.log" 2>&1
     echo "   exit $? ($(date -u +%T))"
     grep -v "point/s\]" "$out/$name.log" | tail -12

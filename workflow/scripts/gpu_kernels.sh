@@ -30,13 +30,13 @@ if command -v nvidia-smi > /dev/null; then
 fi
 echo "== bench_kernels ($(date -u +%T))"
 # shellcheck disable=SC2086
-timeout 420 python3 -m occult.kernels.bench_kernels --out "$out/kernels.csv" ${BENCH_ARGS:-} 2>&1 \
+timeout 420 python3 -m occult.harness.kernel_bench --out "$out/kernels.csv" ${BENCH_ARGS:-} 2>&1 \
   | tee "$out/bench_kernels.log" | grep -v "it/s\]" | tail -40
 [ -n "${telemetry:-}" ] && kill "$telemetry" 2> /dev/null
 if [ -n "${TUNE_KERNELS:-}" ]; then
   echo "== tune_kernels $TUNE_KERNELS ($(date -u +%T))"
   # shellcheck disable=SC2086
-  timeout $((${TUNE_LIMIT_S:-150} + 120)) python3 -m occult.kernels.tune_kernels --out "$out/tune.csv" \
+  timeout $((${TUNE_LIMIT_S:-150} + 120)) python3 -m occult.harness.kernel_tune --out "$out/tune.csv" \
     --kernels $TUNE_KERNELS --time-limit-s "${TUNE_LIMIT_S:-150}" --max-configs "${TUNE_MAX_CONFIGS:-16}" 2>&1 \
     | tee "$out/tune.log" | tail -12
 fi

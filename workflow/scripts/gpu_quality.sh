@@ -13,7 +13,7 @@
 #      WORK_ROOT (default work: checkpoints and intermediates, never sent back),
 #      QUALITY_GPUS (default 1): GPUs to use; with N > 1 pre-training runs data parallel under
 #      torchrun and fine-tuning and evaluation run one process per GPU, each on every N-th arm.
-#      TRAINBENCH_STEPS (default 10; 0: none), TRAINBENCH_WARMUP (3): occult.trainbench before pre-training,
+#      TRAINBENCH_STEPS (default 10; 0: none), TRAINBENCH_WARMUP (3): occult.harness.trainbench before pre-training,
 #      ROUTING_SAMPLE_TOKENS (default 16384): tokens of each routing trace returned in profile/,
 #      QUALITY_SHARDS (default QUALITY_GPUS): fine-tuning and evaluation processes, spread round-robin
 #      over the GPUs (2 on one GPU overlap one process's host work with the other's kernels).
@@ -75,7 +75,7 @@ from pathlib import Path
 import datasets, lm_eval
 from lm_eval.models.huggingface import HFLM  # noqa: F401
 from lm_eval.tasks import TaskManager
-from occult.evaltasks import TASK_NAMES, make_task_dir
+from occult.stages.eval_tasks import TASK_NAMES, make_task_dir
 task = sorted(p.stem for p in Path(sys.argv[1]).glob("*.jsonl"))[0]
 with tempfile.TemporaryDirectory() as tmp:
     manager = TaskManager(include_path=str(make_task_dir(Path(sys.argv[1]), [task], Path(tmp) / "t")), include_defaults=False)
@@ -172,7 +172,7 @@ run_pretrain() {
     # first, once: the step time under each expert kernel, side by side (and a kernel that fails here
     # fails in seconds, not in the middle of the phase)
     if [ "${TRAINBENCH_STEPS:-10}" -gt 0 ] && [ ! -f "$RES/model/trainbench.csv" ]; then
-        timeout 240 "$PY" -m occult.trainbench --config "$CONFIG" --out "$RES/model/trainbench.csv" \
+        timeout 240 "$PY" -m occult.harness.trainbench --config "$CONFIG" --out "$RES/model/trainbench.csv" \
             --steps "${TRAINBENCH_STEPS:-10}" --warmup "${TRAINBENCH_WARMUP:-3}" \
             || { echo "trainbench: FAILED (exit $?); the configured expert kernel may not run here"; return 1; }
         timing trainbench $(( $(date +%s) - t0 )); t0=$(date +%s)
@@ -194,7 +194,7 @@ run_variants() {
         # benchmark, the placement study and the simulator on a CPU machine)
         cp "$WORK/profile/profile.npz" "$RES/profile/profile.npz"
         for split in calibration heldout; do
-            "$PY" -c 'import sys; from occult.profiling import sample_routing; sample_routing(sys.argv[1], sys.argv[2], int(sys.argv[3]))' \
+            "$PY" -c 'import sys; from occult.routing.profiling import sample_routing; sample_routing(sys.argv[1], sys.argv[2], int(sys.argv[3]))' \
                 "$WORK/profile/routing_$split.npz" "$RES/profile/routing_${split}_sample.npz" "${ROUTING_SAMPLE_TOKENS:-16384}"
         done
         cp "$WORK/profile/profile.json" "$RES/profile/profile.json"
@@ -213,7 +213,7 @@ run_variants() {
 finetune_arms() {
     local trace=()      # profile steps once: not again in a resumed call or in retry_alone's process
     [ -f "$RES/finetune/steptrace.json" ] || trace=(--step-trace "$RES/finetune/steptrace.json")
-    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.finetune --config "$CONFIG" --model "$WORK/model/base" \
+    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.stages.finetune --config "$CONFIG" --model "$WORK/model/base" \
         --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" --out "$WORK/finetune" \
         --logs "$RES/finetune" "${trace[@]}" --time-limit $(( $(remaining) - 60 ))
 }
@@ -225,7 +225,7 @@ run_evaluate() {
     return $rc
 }
 evaluate_arms() {
-    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.evaluate --config "$CONFIG" --model "$WORK/model/base" \
+    sharded timeout --kill-after=30 "$(left)" "$PY" -m occult.stages.evaluate --config "$CONFIG" --model "$WORK/model/base" \
         --arms "$WORK/finetune" --data "$DATA" --profile "$WORK/profile" --placements "$RES/placement" \
         --out "$RES/evaluate" --time-limit $(( $(remaining) - 90 )) ${EVAL_LIMIT:+--limit $EVAL_LIMIT}
 }

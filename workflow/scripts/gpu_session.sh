@@ -25,7 +25,7 @@
 #     L.  on 4 GPUs: stage A on GPUs 0,1 beside the quality study's remaining phases on GPUs 2,3.
 #     DN. all N GPUs, for at most SESSION_DN_S (480): the prefill (SESSION_DN_SIZES, default 2^10,
 #         2^12, 2^14, 2^16 tokens per GPU) and training sweeps at D = N with every baseline, then the
-#         all-to-all and grouped-GEMM curves at D = N (occult.commbench) with the time left (issue 8).
+#         all-to-all and grouped-GEMM curves at D = N (occult.harness.commbench) with the time left (issue 8).
 # Carried inputs: .carry/quality (pack_quality.sh), .carry/trace/routing_heldout.npz,
 # .thirdparty/sdist (MegaBlocks, stk, grouped_gemm sdists, tutel-*.tar.gz), .thirdparty/wheels.
 set -uo pipefail
@@ -87,13 +87,13 @@ run)
             [ "$(left $until)" -gt 30 ] || break
             stamp "A: D=2 prefill, Qwen and DeepSeek: $group"
             local part="$R/sweeps/parts/prefill_qwen_deepseek_D2_${group%% *}.csv"
-            timeout "$(left $until)" torchrun --nproc_per_node=2 -m occult.sweep --kind prefill --shapes qwen deepseek \
+            timeout "$(left $until)" torchrun --nproc_per_node=2 -m occult.harness.sweep --kind prefill --shapes qwen deepseek \
                 --methods $group --sizes 1024 4096 16384 --repeats 20 --warmup 5 --timeout-s 120 --out "$part" 2>&1 \
                 | tee "$part.log" | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -12
         done
         # a command stopped by the deadline can leave ranks behind, holding a GPU and port 29500
         # (the pattern matches each torchrun's own command line too, and never the quality lane's)
-        pkill -f "occult.sweep|occult.ep.profile_gpu" 2>/dev/null; sleep 2
+        pkill -f "occult.harness.sweep|occult.harness.ep_profile" 2>/dev/null; sleep 2
     }
     quality() {     # gpu_quality.sh's three phases until the deadline $1, on QUALITY_GPUS GPUs
         local until=$1 phase
@@ -121,10 +121,10 @@ run)
         grep "^== " "$R/sweeps_D$D.log"
         if [ "$(left $until)" -gt 60 ]; then
             stamp "DN: all-to-all and grouped-GEMM curves at D=$D"
-            timeout "$(left $until)" torchrun --nproc_per_node="$D" -m occult.commbench --out "$R/comm_D$D" \
+            timeout "$(left $until)" torchrun --nproc_per_node="$D" -m occult.harness.commbench --out "$R/comm_D$D" \
                 > "$R/comm_D$D.log" 2>&1 || echo "commbench: exit $?"
         fi
-        pkill -f "occult.sweep|occult.commbench" 2>/dev/null; sleep 2
+        pkill -f "occult.harness.sweep|occult.harness.commbench" 2>/dev/null; sleep 2
     }
     kernel_stage() {     # bf16 GPU tests (beside the build), then the kernel bench, until the deadline $1
         local until=$1

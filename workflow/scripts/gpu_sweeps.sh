@@ -3,12 +3,12 @@
 # Usage: workflow/scripts/gpu_sweeps.sh OUTDIR [KIND ...]   (KIND: prefill decode train; default all)
 # SWEEP_DS (default "2 1"): the expert-parallel degrees to run, each ≤ the GPUs present (counted
 #   from CUDA_VISIBLE_DEVICES when it is set).
-# SWEEP_PREFILL_SIZES (default: occult.sweep's 2^10 … 2^16): tokens per GPU of the prefill kind.
+# SWEEP_PREFILL_SIZES (default: occult.harness.sweep's 2^10 … 2^16): tokens per GPU of the prefill kind.
 # SWEEP_SHAPES (default "olmoe qwen deepseek"): the layer shapes; each (group, shape) runs in a
 #   process of its own, so that a crash (a SIGSEGV at a shape change in results/nvidia-h200/sweeps_v20)
 #   loses that shape's rows only.
 # SWEEP_GROUP_S (default 900): time limit of each process's torchrun.
-# SWEEP_TIMING (default step): occult.sweep --timing (step: from a drained GPU; stream: back to back).
+# SWEEP_TIMING (default step): occult.harness.sweep --timing (step: from a drained GPU; stream: back to back).
 # Builds nothing: run workflow/scripts/build_baselines.sh first for MegaBlocks and DeepSpeed (Tutel: its own
 # install); missing baselines produce rows that say so.
 set -uo pipefail
@@ -37,7 +37,7 @@ for kind in $kinds; do
         part="$out/parts/sweep_${kind}_D${D}_group${g}_${shape}.csv"
         mkdir -p "$out/parts"
         echo "== sweep $kind D=$D $shape methods: ${groups[$g]} ($(date -u +%T))"
-        timeout "${SWEEP_GROUP_S:-900}" torchrun --nproc_per_node="$D" -m occult.sweep --kind "$kind" \
+        timeout "${SWEEP_GROUP_S:-900}" torchrun --nproc_per_node="$D" -m occult.harness.sweep --kind "$kind" \
           --timing "${SWEEP_TIMING:-step}" --shapes "$shape" --methods ${groups[$g]} "${sizes[@]}" --repeats 20 --warmup 5 --timeout-s 120 \
           --out "$part" 2>&1 | tee "$part.log" | grep -v "^W1\|^\*\*\*\|it/s\]\|point/s\]" | tail -25
         [ -f "$part" ] && parts+=("$part")

@@ -2,7 +2,7 @@
 
 The lent hosts' CPU speed moves between processes by more than the effects sought here
 (docs/performance.md, v17), so every arm of every (shape, batch) runs in one process, step by step:
-each round times, in alternating order, one training step per arm as `occult.sweep` times it (the
+each round times, in alternating order, one training step per arm as `occult.harness.sweep` times it (the
 GPU drained, CUDA events around the step, the host time of the step itself): forward of the layer
 plus the shape's shared expert, backward from a fixed output gradient. Arms:
   occult               the eager `occult.ep.ep_moe` at D = 1 (Triton backend), as the code runs it
@@ -11,8 +11,8 @@ plus the shape's shared expert, backward from a fixed output gradient. Arms:
   occult-normal-launch also `FAST_LAUNCH` off: every kernel through Triton's `kernel[grid](...)`
   occult-customop      also `occult.kernels.combine.EAGER_FUNCTIONS` off: the forward that records
                        autograd goes through the torch custom ops (the code before session 25)
-  naive                `occult.baselines.naive.NaiveEP` (torch._grouped_mm)
-Inputs are `occult.sweep.make_inputs` of the sweep's synthetic router. One CSV row per step.
+  naive                `occult.harness.baselines.naive.NaiveEP` (torch._grouped_mm)
+Inputs are `occult.harness.sweep.make_inputs` of the sweep's synthetic router. One CSV row per step.
 Usage (one GPU):
   python workflow/scripts/train_host_ab.py --rounds 200 --batch 1 2 4 --out train_host_ab.csv
 """
@@ -43,9 +43,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
-    from occult.baselines import ExpertWeights, get_shape
-    from occult.baselines.naive import NaiveEP
-    from occult.sweep import OccultEP, SharedExpert, SyntheticRouter, derive_seed, interleaved_ab, make_inputs, train_step
+    from occult.harness.baselines import ExpertWeights, get_shape
+    from occult.harness.baselines.naive import NaiveEP
+    from occult.harness.sweep import OccultEP, SharedExpert, SyntheticRouter, derive_seed, interleaved_ab, make_inputs, train_step
 
     combine_module = importlib.import_module("occult.kernels.combine")   # the package exports a function `combine`
     launch_module = importlib.import_module("occult.kernels.launch")

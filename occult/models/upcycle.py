@@ -1,0 +1,163 @@
+"""Upcycle a dense llama-architecture GGUF model into a fine-grained MoE (`model.source: upcycle`).
+
+The dense SwiGLU FFN of width F is cut into `k` shards of width F/k along its hidden dimension,
+and the MoE layer gets E experts in E/k *virtual groups* of k experts, each group holding all k
+shards once (the "virtual group" initialisation of fine-grained upcycling). Every expert of a
+group starts with the same router row, so the router's top-k picks one whole group; with the
+top-k weights renormalised (Mixtral's rule, 1/k each) and each expert's down projection scaled
+by k, the MoE layer computes exactly the dense FFN for every token, whichever group wins. All
+other weights (embeddings, attention, norms) are copied. The upcycled model therefore starts
+with the dense model's ability; continued pre-training breaks the ties and lets the copies
+specialise. Groups are strided (expert `j` is shard `j // G` of group `j % G`, G = E/k), so the
+contiguous placement spreads every group over all devices and any co-activation structure a
+placement finds must be learned, not inherited from expert numbering.
+
+`dense_from_gguf` builds the dense `LlamaForCausalLM` the MoE is compared against.
+GGUF files from llama.cpp's converter store the Q and K projections with each head's rows
+interleaved for its RoPE layout (pairs (i, i + d/2) adjacent); `_unpermute_rows` undoes that.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from occult.models.gguf import ARCH, DenseShape, GGUFError, GGUFReader, dense_shape  # noqa: F401
+
+
+def _unpermute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleave of a Q or K projection ([heads*hd, d])."""
+    rows = w.shape[0]
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))
+
+
+def _common_config_kwargs(shape: DenseShape, max_seq_len: int, token_ids: dict[str, int | None]) -> dict:
+    return dict(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=max_seq_len,
+        rms_norm_eps=shape.rms_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        tie_word_embeddings=shape.tied,
+        hidden_act="silu",
+        **token_ids,
+    )
+
+
+def _load_shared(model: nn.Module, reader: GGUFReader, shape: DenseShape) -> None:
+    """Embeddings, attention, norms and (untied) output head, copied into `model` in place."""
+    sd = {"model.embed_tokens.weight": reader.tensor("token_embd.weight"),
+          "model.norm.weight": reader.tensor("output_norm.weight")}
+    if not shape.tied:
+        sd["lm_head.weight"] = reader.tensor("output.weight")
+    for i in range(shape.num_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        sd[p + "input_layernorm.weight"] = reader.tensor(b + "attn_norm.weight")
+        sd[p + "post_attention_layernorm.weight"] = reader.tensor(b + "ffn_norm.weight")
+        sd[p + "self_attn.q_proj.weight"] = _unpermute_rows(reader.tensor(b + "attn_q.weight"), shape.num_heads)
+        sd[p + "self_attn.k_proj.weight"] = _unpermute_rows(reader.tensor(b + "attn_k.weight"), shape.num_kv_heads)
+        sd[p + "self_attn.v_proj.weight"] = reader.tensor(b + "attn_v.weight")
+        sd[p + "self_attn.o_proj.weight"] = reader.tensor(b + "attn_output.weight")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in sd.items():
+            if name not in params:
+                raise KeyError(f"{type(model).__name__} has no parameter {name}")
+            if tuple(params[name].shape) != value.shape:
+                raise GGUFError(f"{reader.path}: {name} has shape {value.shape}, the model expects "
+                                f"{tuple(params[name].shape)}")
+            params[name].copy_(_t(value))
+
+
+def _ffn(reader: GGUFReader, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    b = f"blk.{layer}."
+    return reader.tensor(b + "ffn_gate.weight"), reader.tensor(b + "ffn_up.weight"), reader.tensor(b + "ffn_down.weight")
+
+
+def dense_from_gguf(path: str | Path, *, max_seq_len: int, token_ids: dict[str, int | None]):
+    """The dense `LlamaForCausalLM` stored in a llama GGUF file (weights dequantised to fp32)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    reader = GGUFReader(path)
+    shape = dense_shape(reader)
+    cfg = LlamaConfig(intermediate_size=shape.ffn, attention_bias=False, mlp_bias=False,
+                      **_common_config_kwargs(shape, max_seq_len, token_ids))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model.to_empty(device="cpu")
+    _load_shared(model, reader, shape)
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            gate, up, down = _ffn(reader, i)
+            layer.mlp.gate_proj.weight.copy_(_t(gate))
+            layer.mlp.up_proj.weight.copy_(_t(up))
+            layer.mlp.down_proj.weight.copy_(_t(down))
+    model.model.rotary_emb.__init__(cfg)        # buffers were left empty on the meta device
+    if shape.tied:
+        model.tie_weights()
+    return model.eval()
+
+
+def upcycle_gguf(path: str | Path, *, num_experts: int, top_k: int, max_seq_len: int,
+                 token_ids: dict[str, int | None], seed: int, router_std: float = 0.02,
+                 router_noise: float = 0.0, router_aux_loss: float = 0.01):
+    """A `MixtralForCausalLM` with `num_experts` experts (top-`top_k`) upcycled from a dense GGUF.
+
+    `router_std` is the spread of the E/k group router rows; `router_noise` adds independent
+    noise of that std (relative to `router_std`) to every row, which breaks the exact equality
+    with the dense model (0 keeps it). Random draws use a private generator seeded with `seed`.
+    """
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    reader = GGUFReader(path)
+    shape = dense_shape(reader)
+    if num_experts % top_k:
+        raise ValueError(f"model.num_experts: {num_experts} is not a multiple of model.top_k {top_k} "
+                         "(upcycling puts k shards in each of E/k groups)")
+    if shape.ffn % top_k:
+        raise ValueError(f"model.top_k: {top_k} does not divide the dense FFN width {shape.ffn} of {reader.path}")
+    groups, shard = num_experts // top_k, shape.ffn // top_k
+    cfg = MixtralConfig(intermediate_size=shard, num_local_experts=num_experts, num_experts_per_tok=top_k,
+                        router_aux_loss_coef=router_aux_loss, output_router_logits=False,
+                        router_jitter_noise=0.0, sliding_window=None,
+                        **_common_config_kwargs(shape, max_seq_len, token_ids))
+    from occult.models.moe import EXPERTS_IMPLEMENTATION, register_experts_implementation
+    register_experts_implementation()
+    cfg._experts_implementation = EXPERTS_IMPLEMENTATION
+    with torch.device("meta"):
+        model = MixtralForCausalLM(cfg)
+    model.to_empty(device="cpu")
+    _load_shared(model, reader, shape)
+    gen = torch.Generator().manual_seed(seed)
+    expert_group = torch.arange(num_experts) % groups        # expert j: group j % G ...
+    expert_shard = torch.arange(num_experts) // groups       # ... shard j // G
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            gate, up, down = (_t(a) for a in _ffn(reader, i))
+            experts, router = layer.mlp.experts, layer.mlp.gate
+            for j in range(num_experts):
+                rows = slice(int(expert_shard[j]) * shard, (int(expert_shard[j]) + 1) * shard)
+                experts.gate_up_proj[j].copy_(torch.cat([gate[rows], up[rows]], dim=0))
+                experts.down_proj[j].copy_(down[:, rows] * top_k)
+            group_rows = torch.randn(groups, shape.hidden_size, generator=gen) * router_std
+            weight = group_rows[expert_group]
+            if router_noise:
+                weight = weight + torch.randn(weight.shape, generator=gen) * router_std * router_noise
+            router.weight.copy_(weight)
+    model.model.rotary_emb.__init__(cfg)
+    if shape.tied:
+        model.tie_weights()
+    model.config.occult_upcycle = {"source": str(path), "groups": groups, "shard_ffn": shard,
+                                   "router_std": router_std, "router_noise": router_noise, "seed": seed}
+    return model

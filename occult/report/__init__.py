@@ -1,0 +1,1 @@
+"""Tables and figures: the study on the embedded default, committed GPU runs, quality, the paper's claims."""

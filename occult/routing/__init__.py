@@ -1,0 +1,1 @@
+"""Routing algorithms on CPU: co-activation profiling, expert placement, collaboration pruning, variants."""

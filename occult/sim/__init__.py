@@ -1,0 +1,1 @@
+"""The scale simulator: traffic per device pair, a calibrated cost model, validation and predictions."""

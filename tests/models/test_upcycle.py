@@ -1,0 +1,182 @@
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from occult.models.gguf import GGUFError
+from occult.models.moe import moe_layers
+from occult.models.upcycle import dense_from_gguf, upcycle_gguf
+from tests.models.gguf_writer import write_gguf
+
+IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
+
+
+def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter layout for Q/K rows: per head, rows i and i + hd/2 become adjacent."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _reference_llama(tied: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                      rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                      tie_word_embeddings=tied, **IDS)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():          # random norms too, so a norm mix-up shows
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _to_gguf(model, path):
+    c = model.config
+    g = lambda t: t.detach().numpy().astype(np.float32)  # noqa: E731
+    tensors = {"token_embd.weight": (g(model.model.embed_tokens.weight), "F32"),
+               "output_norm.weight": (g(model.model.norm.weight), "F32")}
+    if not c.tie_word_embeddings:
+        tensors["output.weight"] = (g(model.lm_head.weight), "F32")
+    for i, layer in enumerate(model.model.layers):
+        b, a, m = f"blk.{i}.", layer.self_attn, layer.mlp
+        tensors.update({
+            b + "attn_norm.weight": (g(layer.input_layernorm.weight), "F32"),
+            b + "ffn_norm.weight": (g(layer.post_attention_layernorm.weight), "F32"),
+            b + "attn_q.weight": (_llama_cpp_permute(g(a.q_proj.weight), c.num_attention_heads), "F32"),
+            b + "attn_k.weight": (_llama_cpp_permute(g(a.k_proj.weight), c.num_key_value_heads), "F32"),
+            b + "attn_v.weight": (g(a.v_proj.weight), "F32"),
+            b + "attn_output.weight": (g(a.o_proj.weight), "F32"),
+            b + "ffn_gate.weight": (g(m.gate_proj.weight), "F32"),
+            b + "ffn_up.weight": (g(m.up_proj.weight), "F32"),
+            b + "ffn_down.weight": (g(m.down_proj.weight), "F32"),
+        })
+    meta = {"general.architecture": "llama", "llama.block_count": c.num_hidden_layers,
+            "llama.context_length": 64, "llama.embedding_length": c.hidden_size,
+            "llama.feed_forward_length": c.intermediate_size, "llama.attention.head_count": c.num_attention_heads,
+            "llama.attention.head_count_kv": c.num_key_value_heads, "llama.rope.freq_base": 1e4,
+            "llama.rope.dimension_count": 16, "llama.attention.layer_norm_rms_epsilon": 1e-5}
+    write_gguf(path, meta, tensors)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_dense_and_upcycled_models_equal_the_source(tmp_path, tied):
+    ref = _reference_llama(tied)
+    _to_gguf(ref, tmp_path / "m.gguf")
+    x = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(x).logits
+        dense = dense_from_gguf(tmp_path / "m.gguf", max_seq_len=64, token_ids=IDS)
+        torch.testing.assert_close(dense(x).logits, want, atol=1e-5, rtol=1e-5)
+        moe = upcycle_gguf(tmp_path / "m.gguf", num_experts=16, top_k=4, max_seq_len=64, token_ids=IDS, seed=3).eval()
+        torch.testing.assert_close(moe(x).logits, want, atol=1e-4, rtol=1e-4)
+    layers = moe_layers(moe)
+    assert len(layers) == 2 and layers[0].num_experts == 16 and layers[0].expert_ffn == 24
+    assert layers[0].rule.norm_topk_prob        # Mixtral renormalises its top-k
+    # the router picks whole virtual groups: expert j belongs to group j % 4
+    h = torch.randn(50, 64)
+    _, ids = layers[0].topk(layers[0].router(h)[0] if isinstance(layers[0].router(h), tuple) else layers[0].router(h))
+    groups = ids % 4
+    assert (groups == groups[:, :1]).all()
+    assert sorted((ids // 4)[0].tolist()) == [0, 1, 2, 3]   # one copy of every shard
+
+
+def test_router_noise_breaks_exactness_and_bad_sizes_fail(tmp_path):
+    ref = _reference_llama(True)
+    _to_gguf(ref, tmp_path / "m.gguf")
+    x = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        noisy = upcycle_gguf(tmp_path / "m.gguf", num_experts=16, top_k=4, max_seq_len=64, token_ids=IDS,
+                             seed=3, router_noise=5.0).eval()
+        assert (noisy(x).logits - ref(x).logits).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="model.num_experts: 18 is not a multiple of model.top_k 4"):
+        upcycle_gguf(tmp_path / "m.gguf", num_experts=18, top_k=4, max_seq_len=64, token_ids=IDS, seed=0)
+    with pytest.raises(ValueError, match="model.top_k: 5 does not divide the dense FFN width 96"):
+        upcycle_gguf(tmp_path / "m.gguf", num_experts=20, top_k=5, max_seq_len=64, token_ids=IDS, seed=0)
+    write_gguf(tmp_path / "g.gguf", {"general.architecture": "gpt2"}, {"x": (np.zeros((1, 32), np.float32), "F32")})
+    with pytest.raises(GGUFError, match="general.architecture is 'gpt2'"):
+        upcycle_gguf(tmp_path / "g.gguf", num_experts=16, top_k=4, max_seq_len=64, token_ids=IDS, seed=0)
+
+
+# --------------------------------------------------------------------------- the pipeline's upcycle path
+
+
+def _upcycle_config(gguf: Path, steps: int = 6, **model_changes):
+    from occult.config import load_config
+    repo = Path(__file__).resolve().parents[2]
+    model = {"source": "upcycle", "checkpoint": str(gguf), "hidden_size": 64, "num_layers": 2, "num_heads": 4,
+             "num_experts": 16, "top_k": 4, "expert_ffn": 24, "max_seq_len": 64, **model_changes}
+    return load_config(repo / "config" / "config.yaml", overrides={
+        "model": model,
+        "pretrain": {"steps": steps, "batch_size": 4, "seq_len": 32, "lr": 1e-3, "warmup_steps": 2,
+                     "router_aux_loss": 0.01},
+        "placement": {"devices": [2, 4]}, "finetune": {"devices": 4}, "bench": {"devices": 2},
+    })
+
+
+def test_config_checks_the_gguf_sizes(tmp_path):
+    from occult.config import ConfigError
+    _to_gguf(_reference_llama(True), tmp_path / "m.gguf")
+    cfg = _upcycle_config(tmp_path / "m.gguf")
+    assert (cfg.num_experts, cfg.top_k) == (16, 4)
+    with pytest.raises(ConfigError, match=r"model.expert_ffn: expert_ffn \* top_k = 128, but .*m.gguf gives 96"):
+        _upcycle_config(tmp_path / "m.gguf", expert_ffn=32)
+    with pytest.raises(ConfigError, match="model.num_layers: 3, but"):
+        _upcycle_config(tmp_path / "m.gguf", num_layers=3)
+    with pytest.raises(ConfigError, match="nope.gguf: no such file"):
+        _upcycle_config(tmp_path / "nope.gguf")
+
+
+def test_pretrain_continues_from_the_upcycled_model(tmp_path):
+    from occult.models.moe import load_checkpoint
+    from occult.stages.pretrain import pretrain
+    from tests.models.test_moe import write_standin_data
+
+    data_dir = write_standin_data(tmp_path / "data")
+    from transformers import AutoTokenizer
+    vocab = len(AutoTokenizer.from_pretrained(data_dir / "tokenizer"))
+    ref = _reference_llama(True)
+    ref.resize_token_embeddings(vocab)
+    _to_gguf(ref, tmp_path / "m.gguf")
+    cfg = _upcycle_config(tmp_path / "m.gguf")
+    out = tmp_path / "out"
+    pretrain(cfg, data_dir, out / "model", out / "log.csv", out / "structure.json")
+    model, _ = load_checkpoint(out / "model")
+    assert model.config.model_type == "mixtral" and len(moe_layers(model)) == 2
+    log = pd.read_csv(out / "log.csv", comment="#")
+    assert len(log) == 6 and np.isfinite(log["train_loss"]).all()
+    # a tokenizer of another size is refused with the field to fix
+    ref.resize_token_embeddings(vocab + 8)
+    _to_gguf(ref, tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match=r"data.tokenizer_from: the tokenizer has \d+ tokens but"):
+        pretrain(cfg, data_dir, out / "model2", out / "log2.csv", out / "structure2.json")
+
+
+def test_fused_experts_kernel_equals_grouped_on_the_upcycled_model(tmp_path):
+    from occult.models.moe import use_experts_kernel
+    _to_gguf(_reference_llama(True), tmp_path / "m.gguf")
+    moe = upcycle_gguf(tmp_path / "m.gguf", num_experts=16, top_k=4, max_seq_len=64, token_ids=IDS, seed=3,
+                       router_noise=1.0)
+    x = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(4))
+    use_experts_kernel(moe, "grouped")
+    loss = moe(x, labels=x).loss
+    loss.backward()
+    want = (loss.detach(), moe.model.layers[0].mlp.experts.gate_up_proj.grad.clone())
+    moe.zero_grad()
+    use_experts_kernel(moe, "triton")
+    loss = moe(x, labels=x).loss
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(moe.model.layers[0].mlp.experts.gate_up_proj.grad, want[1], atol=1e-5, rtol=1e-4)
+
+
+def test_quality_arms_keep_the_gate_ablation_for_a_renormalising_router(tmp_path):
+    """`keep` and `renormalise` differ on a router that normalises its top-k (occult.routing.pruning), so
+    the upcycled model gets the ablation arms too."""
+    from occult.routing.variants import quality_arms
+    _to_gguf(_reference_llama(True), tmp_path / "m.gguf")
+    arms = quality_arms(_upcycle_config(tmp_path / "m.gguf"))
+    assert {"raw", "sft", "prune1-sim", "prune2-router"} <= {a.variant for a in arms}
+    assert {a.name for a in arms if a.gate_weights == "renormalise"} == {"prune2-sim-D4-renormalise-moe",
+                                                                         "prune1-sim-D4-renormalise-moe"}

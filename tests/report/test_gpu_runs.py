@@ -1,0 +1,159 @@
+"""Tables and figures from committed GPU results: the EP benchmark's summary and targets, and the
+sweeps' speedups, on small hand-made CSVs (values checked by hand)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from occult.report import gpu_runs as gpu_report
+
+
+def ep_rows(run: str, kind: str = "prefill") -> pd.DataFrame:
+    base = {"kind": kind, "routing": "uniform", "D": 2, "tokens_per_gpu": 16384, "batch": None, "hidden": 2048,
+            "ffn": 1024, "status": "ok", "bytes_sent": 2 * 2**27, "mean_devices_per_token": 2.0,
+            "pairs_received_max": 131072, "max_rel_err": 0.005, "peak_mem_gib": 10.0}
+    methods = {"occult": (7.0, 3.0, 3.5, 0.5), "occult-pe": (7.7, 3.0, 3.2, 1.5), "occult-graph": (5.0, None, None, None),
+               "occult-compute": (4.0, None, None, None), "occult-nd1-graph": (4.4, None, None, None),
+               "occult-compute-graph": (3.2, None, None, None)}
+    return pd.DataFrame([{**base, "method": m, "median_ms": t, "dispatch_ms": d, "experts_ms": e, "combine_ms": c}
+                         for m, (t, d, e, c) in methods.items()])
+
+
+def write_ep_run(run_dir: Path, peak: float = 800.0) -> None:
+    run_dir.mkdir(parents=True)
+    ep_rows("a").to_csv(run_dir / "ep_prefill_uniform_D2.csv", index=False)
+    pd.DataFrame([{"gpu": "x", "op": "matmul", "median_ms": 1.0, "tflops": peak}]).to_csv(run_dir / "peak.csv",
+                                                                                       index=False)
+
+
+def test_algbw_interpolates_in_log_size_and_clamps():
+    curve = ((2**20, 10.0), (2**30, 110.0))
+    assert gpu_report.nccl_algbw_gbs(2**25, curve) == pytest.approx(60.0)        # halfway in log size
+    assert gpu_report.nccl_algbw_gbs(2**31, curve) == 110.0
+    assert gpu_report.nccl_algbw_gbs(2**19, curve) == pytest.approx(5.0)          # flat time below the curve
+    sizes = [2**k for k in range(16, 32)]
+    rates = [gpu_report.nccl_algbw_gbs(s) for s in sizes]
+    assert rates == sorted(rates)
+
+
+def test_ep_summary_and_targets_by_hand(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "ep_v1"
+    write_ep_run(run_dir, peak=800.0)
+    frame, peak = gpu_report.load_ep(run_dir)
+    summary = gpu_report.ep_summary(frame, peak).set_index("method")
+    flops = 2.0 * 131072 * 3 * 2048 * 1024
+    assert summary.loc["occult", "expert_tflops"] == pytest.approx(flops / 3.5 / 1e9)       # experts phase
+    assert summary.loc["occult-compute", "expert_tflops"] == pytest.approx(flops / 4.0 / 1e9)   # whole step
+    assert summary.loc["occult-compute", "pct_of_peak"] == pytest.approx(flops / 4.0 / 1e9 / 800.0)
+    assert summary.loc["occult-compute-graph", "expert_tflops"] == pytest.approx(flops / 3.2 / 1e9)
+    assert summary.loc["occult", "flop_floor_ms"] == pytest.approx(flops / 800.0 / 1e9)
+    # remote bytes both ways 2^28 -> buffer each way 2^27 remote * 2 (D=2) = 2^28 per direction.
+    expected_comm = 2 * 2**28 / gpu_report.nccl_algbw_gbs(2**28) / 1e6
+    assert summary.loc["occult", "nccl_comm_ms"] == pytest.approx(expected_comm)
+    targets = gpu_report.ep_targets(summary.reset_index()).set_index("target")
+    assert targets.loc["occult-graph speedup over per_expert dispatch", "measured"] == pytest.approx(7.7 / 5.0)
+    assert bool(targets.loc["occult-graph speedup over per_expert dispatch", "met"])
+    assert not bool(targets.loc["occult speedup over per_expert dispatch", "met"])              # 1.1 < 1.4
+    assert targets.loc["occult-nd1-graph over the expert-compute floor", "measured"] == pytest.approx(1.1)
+    assert bool(targets.loc["occult-nd1-graph over the expert-compute floor", "met"])          # 1.1 <= 1.15
+    assert not bool(targets.loc["expert kernels, fraction of bf16 peak", "met"])
+
+
+def test_ep_report_writes_tables_and_figures_and_names_a_missing_peak(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "ep_v1"
+    write_ep_run(run_dir)
+    figures = tmp_path / "figures"
+    gpu_report.make_ep_report(run_dir, figures)
+    assert (run_dir / "summary.csv").is_file() and (run_dir / "targets.csv").is_file()
+    assert (figures / "ep_latency.png").stat().st_size > 0 and (figures / "ep_phases.png").stat().st_size > 0
+    assert set(pd.read_csv(run_dir / "summary.csv")["nccl_curve"]) == {"DESIGN.md all_to_all_single table (2xH200)"}
+    (run_dir / "peak.csv").unlink()
+    with pytest.raises(FileNotFoundError, match="peak.csv"):
+        gpu_report.make_ep_report(run_dir, figures)
+
+
+def test_a_measured_alltoall_curve_of_the_machine_is_preferred(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "ep_v1"
+    write_ep_run(run_dir)
+    comm = run_dir.parent / "comm_v1"
+    comm.mkdir()
+    pd.DataFrame([{"D": 2, "pattern": "equal", "dtype": "bfloat16", "bytes_per_rank": b, "algbw_gbps": r}
+                  for b, r in ((2**20, 20.0), (2**30, 600.0))]).to_csv(comm / "alltoall.csv", index=False)
+    curve, source = gpu_report.measured_alltoall_curve(run_dir)
+    assert curve == ((2.0**20, 20.0), (2.0**30, 600.0)) and source.endswith("comm_v1/alltoall.csv")
+
+
+def test_sweep_speedups_by_hand():
+    rows = [{"kind": "prefill", "status": "ok", "tokens_per_gpu": 16384, "shape": "olmoe", "D": 2,
+             "method": m, "median_ms": t} for m, t in (("occult", 8.0), ("occult-graph", 4.0), ("megablocks", 6.0))]
+    table = gpu_report.speedups(pd.DataFrame(rows)).set_index(["occult", "baseline"])
+    assert table.loc[("occult", "megablocks"), "speedup"] == pytest.approx(0.75)
+    assert table.loc[("occult-graph", "megablocks"), "speedup"] == pytest.approx(1.5)
+    assert ("occult", "occult-graph") not in table.index                  # Occult variants are not baselines
+
+
+def test_sweep_speedups_use_the_median_of_replicates():
+    """Two processes' files of one sweep in a run: each point's median over its replicates."""
+    rows = [{"kind": "prefill", "status": "ok", "tokens_per_gpu": 16384, "shape": "olmoe", "D": 1,
+             "method": m, "median_ms": t} for m, t in (("occult", 4.0), ("occult", 6.0), ("occult", 5.0),
+                                                        ("naive", 9.0), ("naive", 11.0))]
+    table = gpu_report.speedups(pd.DataFrame(rows)).set_index(["occult", "baseline"])
+    assert len(table) == 1
+    assert table.loc[("occult", "naive"), "speedup"] == pytest.approx(10.0 / 5.0)
+    points = gpu_report.replicate_medians(pd.DataFrame(rows)).set_index("method")
+    assert points.loc["occult", ["low_ms", "high_ms", "replicates"]].tolist() == [4.0, 6.0, 3]
+
+
+def kernel_rows(swiglu_ms: float, peak_ms: float) -> pd.DataFrame:
+    """A bench_kernels CSV: two forward rows and the two peak rows (as the bench writes them)."""
+    flops = 2.0 * 8192**3
+    peak, burst = flops / peak_ms / 1e9, flops / (0.9 * peak_ms) / 1e9
+    rows = [{"routing": "uniform", "op": "grouped_swiglu", "impl": "triton", "pass": "fwd", "median_ms": swiglu_ms,
+             "tflops": 600.0 * 2.0 / swiglu_ms},
+            {"routing": "uniform", "op": "grouped_swiglu", "impl": "triton", "pass": "fwd+bwd", "median_ms": 3 * swiglu_ms,
+             "tflops": 1.0},
+            {"op": "matmul_8192", "impl": "cublas", "pass": "fwd", "median_ms": peak_ms, "tflops": peak},
+            {"op": "matmul_8192", "impl": "cublas_burst", "pass": "fwd", "median_ms": 0.9 * peak_ms, "tflops": burst}]
+    frame = pd.DataFrame(rows)
+    return frame.assign(pct_of_peak=100 * frame["tflops"] / peak, pct_of_burst_peak=100 * frame["tflops"] / burst)
+
+
+def test_kernel_report_takes_the_median_over_repeats_against_each_runs_own_peak(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "kernels_v1"
+    run_dir.mkdir(parents=True)
+    kernel_rows(2.0, 2.0).to_csv(run_dir / "kernels.csv", index=False)          # 600 TFLOP/s, peak 549.8
+    kernel_rows(2.4, 2.2).to_csv(run_dir / "kernels_repeat.csv", index=False)   # 500 TFLOP/s, peak 499.8
+    gpu_report.make_kernels_report(run_dir, tmp_path / "figures")
+    row = pd.read_csv(run_dir / "summary.csv").set_index("impl").loc["triton"]
+    assert row["files"] == 2 and row["median_ms"] == pytest.approx(2.2)
+    assert (row["tflops_min"], row["tflops_max"]) == (pytest.approx(500.0), pytest.approx(600.0))
+    peak_1, peak_2 = 2.0 * 8192**3 / 2.0 / 1e9, 2.0 * 8192**3 / 2.2 / 1e9
+    assert row["pct_of_peak"] == pytest.approx((100 * 600 / peak_1 + 100 * 500 / peak_2) / 2, rel=1e-5)
+    assert row["pct_of_burst_peak"] == pytest.approx(0.9 * row["pct_of_peak"], rel=1e-5)
+    assert (tmp_path / "figures" / "kernels.png").stat().st_size > 0
+    pd.read_csv(run_dir / "kernels.csv").drop(columns=["pct_of_burst_peak"]).to_csv(run_dir / "kernels.csv", index=False)
+    with pytest.raises(ValueError, match="kernels.csv: no peak columns"):
+        gpu_report.make_kernels_report(run_dir, tmp_path / "figures")
+
+
+def test_kernel_report_pairs_burst_timed_rows_with_the_burst_peak(tmp_path):
+    run_dir = tmp_path / "results" / "m" / "kernels_v2"
+    run_dir.mkdir(parents=True)
+    frame = kernel_rows(2.0, 2.0)
+    burst_peak = frame.set_index("impl").loc["cublas_burst", "tflops"]
+    burst = {"routing": "uniform", "op": "grouped_swiglu", "impl": "triton", "pass": "fwd_burst", "median_ms": 1.6,
+             "tflops": 600.0 * 2.0 / 1.6}
+    burst["pct_of_burst_peak"] = 100 * burst["tflops"] / burst_peak
+    pd.concat([frame, pd.DataFrame([burst])], ignore_index=True).to_csv(run_dir / "kernels.csv", index=False)
+    gpu_report.make_kernels_report(run_dir, tmp_path / "figures")
+    summary = pd.read_csv(run_dir / "summary.csv")
+    assert len(summary) == 1                                        # the burst row is a column, not an impl row
+    row = summary.iloc[0]
+    assert row["median_ms"] == pytest.approx(2.0) and row["burst_median_ms"] == pytest.approx(1.6)
+    assert row["burst_pct_of_burst_peak"] == pytest.approx(100 * 750.0 / burst_peak, rel=1e-5)
+    kernel_rows(2.0, 2.0).to_csv(run_dir / "kernels.csv", index=False)      # runs without burst rows: NaN
+    gpu_report.make_kernels_report(run_dir, tmp_path / "figures")
+    assert pd.read_csv(run_dir / "summary.csv")["burst_median_ms"].isna().all()

@@ -1,0 +1,144 @@
+"""Placement study: the long table, sensitivity rows, the CLI on a profile directory."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from occult.routing.placement_methods import synthetic_preset
+from occult.stages.placement_study import (
+    STUDY_METHODS,
+    RoutingSplits,
+    SearchConfig,
+    default_devices,
+    gpus_per_node_for,
+    main,
+    run_study,
+    sensitivity,
+)
+
+FAST = SearchConfig(swap_rounds=3, kicks=1, eps=0.1, gpus_per_node=2)
+STUDY_COLUMNS = {"trace", "layer", "D", "method", "expected_ct_heldout", "lower_bound", "upper_bound",
+                 "intra_device_pair_fraction", "max_device_load_over_mean", "seconds", "status",
+                 "inter_node_ct_heldout", "expected_ct_calibration"}
+
+
+def test_default_devices_divide_experts():
+    assert default_devices(64) == [2, 4, 8, 16, 32, 64]
+    assert default_devices(60) == [2, 4, 6, 10, 12, 20, 30, 60]
+    assert default_devices(16, [2, 3, 4, 32]) == [2, 4]
+    assert gpus_per_node_for(6, 4) == 3 and gpus_per_node_for(16, 4) == 4 and gpus_per_node_for(2, 8) == 2
+
+
+def test_run_study_writes_expected_columns_and_provenance(tmp_path):
+    traces = {"a": synthetic_preset("qwen_moe", 400, 2, seed=0), "b": synthetic_preset("olmoe", 400, 1, seed=1)}
+    out = tmp_path / "study.csv"
+    frame = run_study(traces, [2, 4, 6], list(STUDY_METHODS), out, seed=0, search=FAST)
+    table = pd.read_csv(out)
+    assert STUDY_COLUMNS <= set(table.columns)
+    assert len(frame) == len(table)
+    per_layer = table[table["layer"] != "mean"]
+    # qwen (60): D = 2, 4, 6 over 2 layers; olmoe (64): D = 2, 4 over 1 layer
+    assert len(per_layer) == (3 * 2 + 2 * 1) * len(STUDY_METHODS)
+    ok = per_layer[per_layer["status"] == "ok"]
+    assert set(per_layer["status"]) <= {"ok"} | {s for s in per_layer["status"] if s.startswith("unavailable")}
+    assert (ok["expected_ct_heldout"] >= ok["lower_bound"]).all()
+    assert (ok["expected_ct_heldout"] <= ok["upper_bound"]).all()
+    assert (ok["inter_node_ct_heldout"] <= ok["expected_ct_heldout"] + 1e-12).all()
+    means = table[table["layer"] == "mean"]
+    assert len(means) == len(ok.groupby(["trace", "D", "method"]))
+    meta = json.loads((tmp_path / "study.csv.meta.json").read_text())
+    assert meta["stage"] == "placement_study" and meta["seed"] == 0 and meta["config_hash"]
+    again = run_study(traces, [2, 4, 6], list(STUDY_METHODS), tmp_path / "again.csv", seed=0, search=FAST)
+    pd.testing.assert_series_equal(again["expected_ct_heldout"], frame["expected_ct_heldout"])   # seeded
+
+
+def test_run_study_rejects_unknown_method(tmp_path):
+    with pytest.raises(ValueError, match="methods: 'random'"):
+        run_study({"a": synthetic_preset("olmoe", 50, 1, 0)}, [2], ["random"], tmp_path / "x.csv", 0)
+
+
+def with_sources(calib_LNK: np.ndarray, heldout_LNK: np.ndarray, num_experts: int) -> RoutingSplits:
+    """Two 'sources' routed by different structures: tokens of source 1 use reversed expert ids."""
+    half = calib_LNK.shape[1] // 2
+    calib, heldout = calib_LNK.copy(), heldout_LNK.copy()
+    calib[:, half:] = num_experts - 1 - calib[:, half:]
+    heldout[:, half:] = num_experts - 1 - heldout[:, half:]
+    sources = (np.arange(calib.shape[1]) >= half).astype(np.int64)
+    return RoutingSplits(calib, heldout, num_experts, calib_sources=sources, heldout_sources=sources,
+                         source_names=("left", "right"))
+
+
+def test_sensitivity_rows_cover_size_and_domain_shift():
+    calib, heldout = synthetic_preset("deepseek_moe", 1200, 1, seed=2)
+    traces = {"two_sources": with_sources(calib, heldout, 64), "plain": (calib, heldout)}
+    rows = sensitivity(traces, [4], ["greedy", "swap"], [0.25, 1.0], seed=0, search=FAST)
+    size = rows[rows["study"] == "calibration_size"]
+    assert len(size) == 2 * 2 * 2                  # traces x fractions x methods
+    assert sorted(size["calib_tokens"].unique()) == [300, 1200]
+    shift = rows[rows["study"] == "domain_shift"]
+    assert set(shift["trace"]) == {"two_sources"}
+    assert len(shift) == 4 * 2                     # (calibration source, eval source) pairs x methods
+    assert (rows["status"] == "ok").all()
+    table = shift.pivot_table(index=["method", "calib_source"], columns="eval_source", values="expected_ct_heldout")
+    for method in ("greedy", "swap"):
+        for source, other in (("left", "right"), ("right", "left")):
+            assert table.loc[(method, source), source] <= table.loc[(method, source), other]   # in-domain wins
+
+
+def write_routing(splits: RoutingSplits, profile_dir, layers: list[int]):
+    """`splits` as a profile directory's routing_{calibration,heldout}.npz (the profiling stage's format)."""
+    profile_dir.mkdir()
+    for name, ids, sources in (("calibration", splits.calib_LNK, splits.calib_sources),
+                               ("heldout", splits.heldout_LNK, splits.heldout_sources)):
+        np.savez(profile_dir / f"routing_{name}.npz", ids=ids.astype(np.int16), sources=sources.astype(np.int16),
+                 source_names=np.asarray(splits.source_names), layers=np.array(layers))
+    return profile_dir
+
+
+def test_cli_on_profile_directory(tmp_path):
+    calib, heldout = synthetic_preset("qwen_moe", 600, 2, seed=4)
+    splits = with_sources(calib.astype(np.int16), heldout.astype(np.int16), 60)
+    profile_dir = write_routing(splits, tmp_path / "profile", layers=[1, 3])
+    out = tmp_path / "out" / "study.csv"
+    main(["--profile-dir", str(profile_dir), "--out", str(out), "--synthetic", "olmoe", "--synthetic-tokens", "300",
+          "--synthetic-layers", "1", "--devices", "2", "4", "--methods", "contiguous", "greedy", "swap", "eplb",
+          "--sensitivity-devices", "4", "--sensitivity-methods", "greedy", "--fractions", "0.5", "1.0",
+          "--swap-rounds", "2", "--kicks", "0"])
+    table = pd.read_csv(out)
+    assert set(table["trace"]) == {"model", "synthetic_olmoe"}
+    assert set(table.loc[table["trace"] == "model", "layer"].astype(str)) == {"1", "3", "mean"}
+    sens = pd.read_csv(tmp_path / "out" / "study_sensitivity.csv")
+    assert {"calibration_size", "domain_shift"} == set(sens["study"])
+    assert (tmp_path / "out" / "study_sensitivity.csv.meta.json").is_file()
+    with pytest.raises(Exception, match="routing_calibration.npz"):
+        main(["--profile-dir", str(tmp_path / "missing"), "--out", str(out)])
+
+
+def test_cli_on_a_gpu_runs_routing_sample_and_its_figure(tmp_path):
+    """A GPU run returns routing_{split}_sample.npz (profiling.sample_routing): the study reads them
+    where the full traces are absent, names the trace, and `--plot` draws its figure."""
+    from occult.routing.profiling import sample_routing
+
+    calib, heldout = synthetic_preset("olmoe", 400, 2, seed=6)
+    splits = with_sources(calib.astype(np.int16), heldout.astype(np.int16), 64)
+    full = write_routing(splits, tmp_path / "full", layers=[0, 1])
+    profile_dir = tmp_path / "profile"
+    profile_dir.mkdir()
+    for name in ("calibration", "heldout"):
+        sample_routing(full / f"routing_{name}.npz", profile_dir / f"routing_{name}_sample.npz", 300)
+    out = tmp_path / "study" / "study.csv"
+    main(["--profile-dir", str(profile_dir), "--trace-name", "gpu_sample", "--out", str(out), "--synthetic",
+          "--devices", "4", "8", "--methods", "contiguous", "greedy", "--sensitivity-methods", "--swap-rounds", "1"])
+    table = pd.read_csv(out)
+    assert set(table["trace"]) == {"gpu_sample"} and set(table["D"]) == {4, 8}
+    meta = json.loads(out.with_name("study.csv.meta.json").read_text())
+    assert meta["calibration_shapes"]["gpu_sample"] == [2, 300, 8]          # the sample's 300 tokens
+    figure = tmp_path / "figures" / "placement_study.png"
+    main(["--plot", str(out), "--figure", str(figure)])
+    assert figure.stat().st_size > 1000
+    with pytest.raises(FileNotFoundError, match="missing.csv"):
+        main(["--plot", str(tmp_path / "missing.csv"), "--figure", str(figure)])

@@ -1,0 +1,46 @@
+"""The one parser of method names: what each name means, and one clear error for bad ones."""
+
+import pytest
+
+from occult.method_names import BASELINES, MethodNameError, is_occult, parse_method
+
+
+@pytest.mark.parametrize("name, family, mode, nd, static, contiguous, balanced", [
+    ("occult", "occult", "dedup", None, False, False, False),
+    ("occult-nd2", "occult", "dedup", 2, False, False, False),
+    ("occult-nd1-graph", "occult-graph", "dedup", 1, True, False, False),
+    ("occult-graph-balanced", "occult-graph", "dedup", None, True, False, True),
+    ("occult-balanced-graph", "occult-graph", "dedup", None, True, False, True),
+    ("occult-pe", "occult-pe", "per_expert", None, False, False, False),
+    ("occult-static", "occult-static", "dedup", None, True, False, False),
+    ("occult-trivial", "occult", "dedup", None, False, True, False),
+    ("occult-compute-graph", "occult-compute", "dedup", None, True, False, False),
+    ("naive", "naive", "naive", None, False, True, False),
+])
+def test_names_mean_what_the_sweep_runs(name, family, mode, nd, static, contiguous, balanced):
+    spec = parse_method(name)
+    assert (spec.family, spec.mode, spec.max_devices, spec.static, spec.contiguous, spec.balanced) == (
+        family, mode, nd, static, contiguous, balanced)
+
+
+def test_baselines_are_not_occult():
+    for name in BASELINES:
+        assert not parse_method(name).is_occult and not is_occult(name)
+    assert is_occult("occult-nd2-graph") and not is_occult("occult-bogus")
+
+
+@pytest.mark.parametrize("name, why", [
+    ("occult-bogus", "unknown option 'bogus'"),
+    ("occult-graph-nd2", "must come first"),
+    ("occult-nd0", "must come first"),
+    ("occult-graph-graph", "given twice"),
+    ("occult-pe-graph", "no static plan"),
+    ("occult-nd2-balanced", "exact routing"),
+    ("occult-trivial-balanced", "exact routing"),
+    ("occult-nd2-trivial", "contiguous"),
+    ("megablock", "expected occult"),
+])
+def test_bad_names_get_one_error_naming_them(name, why):
+    with pytest.raises(MethodNameError, match=why) as err:
+        parse_method(name)
+    assert repr(name) in str(err.value)
