@@ -174,7 +174,7 @@ def dedup_rows_per_device(shape_name: str, tokens: int, seed: int) -> list[int]:
     """Rows this rank's `tokens` send to each device in dedup mode (the sweep's routing and placement)."""
     from occult.harness.baselines import get_shape
     from occult.ep.plan import build_plan, local_expert_ids
-    from occult.harness.sweep import SyntheticRouter, derive_seed, make_inputs, occult_placement
+    from occult.harness.sweep.inputs import SyntheticRouter, derive_seed, make_inputs, occult_placement
 
     world, rank = _world()
     shape = get_shape(shape_name)

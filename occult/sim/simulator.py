@@ -659,7 +659,7 @@ class ShapeTraces:
     """
 
     def __init__(self, shape: MoEShape, pool_tokens: int, seed: int, routing: str = "synthetic") -> None:
-        from occult.harness.sweep import SyntheticRouter, derive_seed, make_inputs
+        from occult.harness.sweep.inputs import SyntheticRouter, derive_seed, make_inputs
 
         if routing not in ("synthetic", "uniform"):
             raise SimulateError(f"routing: {routing!r} cannot be regenerated on the CPU (synthetic, uniform)")
@@ -699,13 +699,13 @@ class ShapeTraces:
             if contiguous:
                 self._placements[key] = torch.arange(self.shape.num_experts) // (self.shape.num_experts // num_devices)
             else:       # the sweep's own function: the same calibration batch, placement and seed
-                from occult.harness.sweep import occult_placement
+                from occult.harness.sweep.inputs import occult_placement
 
                 self._placements[key] = occult_placement(self.shape, self.router, num_devices, self.seed, balanced)
         return self._placements[key]
 
     def ids(self, method: str, num_devices: int) -> torch.Tensor:
-        from occult.harness.sweep import prune_routing
+        from occult.harness.sweep.inputs import prune_routing
 
         spec = method_spec(method)
         if spec.max_devices is None:
@@ -766,7 +766,7 @@ class RecordedTraces(ShapeTraces):
         return why
 
     def placement(self, method: str, num_devices: int) -> torch.Tensor:
-        from occult.harness.sweep import placement_from_calibration
+        from occult.harness.sweep.inputs import placement_from_calibration
 
         spec = method_spec(method)
         key = (num_devices, spec.contiguous, spec.balanced and not spec.contiguous)
@@ -1201,7 +1201,7 @@ def shared_launches(shape: MoEShape, pass_: str) -> int:
         return 0
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from occult.harness.sweep import SharedExpert
+    from occult.harness.sweep.inputs import SharedExpert
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
@@ -1709,7 +1709,7 @@ def predict(traces: dict[str, ShapeTraces], methods: Sequence[str], devices: Seq
 
 def sweep_points(kinds: Sequence[str], seq_len: int = 512) -> list[tuple[str, int, int | None]]:
     """(kind, tokens per GPU, batch) of `occult.harness.sweep`'s default sizes."""
-    from occult.harness.sweep import DEFAULT_SIZES
+    from occult.harness.sweep.settings import DEFAULT_SIZES
 
     points = []
     for kind in kinds:

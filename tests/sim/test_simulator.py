@@ -278,7 +278,7 @@ def graph_slots(traces: ShapeTraces) -> int:
 @pytest.mark.parametrize("method", ["occult", "occult-balanced"])
 def test_the_simulators_placement_is_the_sweeps_placement(method):
     from occult.harness.ranks import run_ranks
-    from occult.harness.sweep import occult_placement
+    from occult.harness.sweep.inputs import occult_placement
 
     shape = get_shape("olmoe")
     traces = ShapeTraces(shape, 2048, seed=3)
@@ -793,7 +793,7 @@ def test_shared_expert_elementwise_bytes_match_the_sweeps_shared_expert():
     mode on the CPU; the term adds bytes / HBM rate to the shared expert's time (x 3 in fwd+bwd)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from occult.harness.sweep import SharedExpert
+    from occult.harness.sweep.inputs import SharedExpert
 
     gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default,
              torch.ops.aten.t.default, torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
@@ -891,7 +891,7 @@ def test_shared_expert_scale_is_measured_from_graph_replay_ab_rows(tmp_path):
 
 
 def test_shared_expert_launches_are_counted_on_the_sweeps_module():
-    """The ops `occult.harness.sweep.SharedExpert` adds to a call: Qwen's sigmoid gate adds its own GEMM,
+    """The ops `occult.harness.sweep.inputs.SharedExpert` adds to a call: Qwen's sigmoid gate adds its own GEMM,
     sigmoid and product; the backward adds more than the forward; no shared expert, no ops."""
     qwen, deepseek = get_shape("qwen"), get_shape("deepseek")
     # forward: gate_up (t, mm), 2 slices, silu, product, down (t, mm), the sum into the output = 9

@@ -2,7 +2,7 @@
 # The EP runtime's benchmark (issue 3) on all GPUs of this machine, every Occult variant in one run:
 # OLMoE layer shape (d=2048, expert ffn 1024, E=64, k=8), bf16, prefill 2^10 … 2^16 tokens per
 # GPU, routing uniform and replayed from a measured trace of our model (widened to 64 experts,
-# `occult.harness.sweep.TraceRouter`); per-phase times (dispatch, expert kernels, combine), wire bytes,
+# `occult.harness.sweep.inputs.TraceRouter`); per-phase times (dispatch, expert kernels, combine), wire bytes,
 # pairs per GPU; plus forward+backward at 2^14 tokens, the bf16 matmul peak of the same GPU, and
 # torch.profiler tables with the host syncs of one forward at 2^14 and 64 tokens (occult.harness.ep_profile).
 # Usage: workflow/scripts/gpu_ep_bench.sh OUTDIR ROUTING_NPZ

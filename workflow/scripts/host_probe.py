@@ -2,9 +2,9 @@
 
 Runs, for `--seconds`, rounds of three host-side workloads back to back on one GPU and writes one
 CSV row per round (monotonic time stamp, microseconds of each):
-  * `python_us`: a fixed pure-Python loop (`occult.harness.sweep.host_probe_us`, no torch, no GPU): the
+  * `python_us`: a fixed pure-Python loop (`occult.harness.sweep.timing.host_probe_us`, no torch, no GPU): the
     CPU's single-thread speed;
-  * `launch_us`: `--launches` tiny CUDA kernels issued without a sync (`occult.harness.sweep.host_launch_us`):
+  * `launch_us`: `--launches` tiny CUDA kernels issued without a sync (`occult.harness.sweep.timing.host_launch_us`):
     the driver's launch path;
   * `layer_us`:  one eager `occult.ep.ep_moe` call at D = 1 (decode batch, DeepSeek-MoE shape by
     default, no sync inside the call), the GPU drained before it, as `occult.harness.sweep` times a step.
@@ -45,7 +45,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from occult.ep import ep_moe
-    from occult.harness.sweep import host_launch_us, host_probe_us
+    from occult.harness.sweep.timing import host_launch_us, host_probe_us
 
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(args.seed)

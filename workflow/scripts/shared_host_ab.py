@@ -5,9 +5,9 @@ the lent hosts' CPU speed moves between processes by more than the difference so
 (docs/simulator.md). Here both arms of every shape run in ONE process, interleaved step by step:
 each round times, for each shape (OLMoE, Qwen1.5-MoE, DeepSeek-MoE shapes of `occult.harness.baselines`)
 and each arm (`layer`: the eager `occult.ep.ep_moe` call at D = 1; `layer+shared`: the same plus
-`occult.harness.sweep.SharedExpert` added to its output, as `occult.harness.sweep` does), one step as the sweep
+`occult.harness.sweep.inputs.SharedExpert` added to its output, as `occult.harness.sweep` does), one step as the sweep
 times it: the GPU drained, CUDA events around the call, the host time of the call itself. A
-launch probe (`occult.harness.sweep.host_launch_us`) opens each round. One CSV row per step.
+launch probe (`occult.harness.sweep.timing.host_launch_us`) opens each round. One CSV row per step.
 Usage (one GPU):
   python workflow/scripts/shared_host_ab.py --rounds 400 --batch 8 --out shared_host_ab.csv
 """
@@ -34,7 +34,8 @@ def main() -> int:
 
     from occult.harness.baselines import get_shape
     from occult.ep import ep_moe
-    from occult.harness.sweep import SharedExpert, derive_seed, interleaved_ab
+    from occult.harness.sweep.inputs import SharedExpert, derive_seed
+    from occult.harness.sweep.timing import interleaved_ab
 
     device, dtype = torch.device("cuda"), torch.bfloat16
     steps = {}

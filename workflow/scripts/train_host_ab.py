@@ -12,7 +12,7 @@ plus the shape's shared expert, backward from a fixed output gradient. Arms:
   occult-customop      also `occult.kernels.combine.EAGER_FUNCTIONS` off: the forward that records
                        autograd goes through the torch custom ops (the code before session 25)
   naive                `occult.harness.baselines.naive.NaiveEP` (torch._grouped_mm)
-Inputs are `occult.harness.sweep.make_inputs` of the sweep's synthetic router. One CSV row per step.
+Inputs are `occult.harness.sweep.inputs.make_inputs` of the sweep's synthetic router. One CSV row per step.
 Usage (one GPU):
   python workflow/scripts/train_host_ab.py --rounds 200 --batch 1 2 4 --out train_host_ab.csv
 """
@@ -45,7 +45,9 @@ def main() -> int:
 
     from occult.harness.baselines import ExpertWeights, get_shape
     from occult.harness.baselines.naive import NaiveEP
-    from occult.harness.sweep import OccultEP, SharedExpert, SyntheticRouter, derive_seed, interleaved_ab, make_inputs, train_step
+    from occult.harness.sweep.inputs import SharedExpert, SyntheticRouter, derive_seed, make_inputs
+    from occult.harness.sweep.occult_method import OccultEP
+    from occult.harness.sweep.timing import interleaved_ab, train_step
 
     combine_module = importlib.import_module("occult.kernels.combine")   # the package exports a function `combine`
     launch_module = importlib.import_module("occult.kernels.launch")

@@ -1,0 +1,110 @@
+"""The sweep's settings: kinds, default sizes and methods, routings, timings, the CSV columns, and
+`SweepSettings` with its one validation error type (`SweepError`, naming the field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from occult.harness.baselines import METHOD_CLASSES, get_shape
+from occult.method_names import MethodNameError, parse_method
+
+KINDS = ("prefill", "decode", "train")
+DEFAULT_SIZES = {
+    "prefill": tuple(2**p for p in range(10, 17)),
+    "decode": (1, 8, 64, 512),
+    "train": (1, 2, 4, 8, 16),
+}
+DEFAULT_METHODS = ("occult", "occult-nd2", "occult-nd1", "megablocks", "tutel", "naive", "hf", "fsdp", "deepspeed")
+ROUTINGS = ("synthetic", "uniform", "trace")
+# step: the GPU drained before each timed step (one layer call from an idle GPU, host time before
+# its first kernel included); stream: blocks of steps issued back to back, as consecutive layers of a
+# model issue them, so host time hides behind queued GPU work unless a method syncs with the host
+TIMINGS = ("step", "stream")
+STREAM_BLOCKS = 5
+REL_TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+VERSION_PACKAGES = ("torch", "triton", "transformers", "megablocks", "grouped_gemm", "stanford-stk", "tutel", "deepspeed")
+COLUMNS = (
+    "machine", "commit", "command", "kind", "shape", "method", "D", "tokens_per_gpu", "batch", "seq_len",
+    "dtype", "median_ms", "p10_ms", "p90_ms", "peak_mem_gib", "bytes_sent", "mean_devices_per_token",
+    "max_rel_err", "status", "routing", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms", "host_ms",
+    "host_probe_us", "host_launch_us", "repeats", "warmup", "timer", "timing", "num_experts", "top_k", "hidden", "ffn",
+    "shared_ffn", *(f"version_{name.replace('-', '_')}" for name in VERSION_PACKAGES),
+)
+
+
+class SweepError(ValueError):
+    """A sweep argument is invalid; the message names it."""
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    """Everything a rank needs (inherited by forked CPU ranks, passed to `run_sweep` on GPUs)."""
+
+    kind: str
+    shapes: tuple[str, ...]
+    methods: tuple[str, ...]
+    world: int
+    sizes: tuple[int, ...]
+    out_csv: str
+    repeats: int = 20
+    warmup: int = 5
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    seed: int = 0
+    seq_len: int = 512
+    input_sets: int = 3
+    check_tokens: int = 64
+    occult_backend: str = "auto"
+    include_shared: bool = True
+    command: str = ""
+    routing: str = "synthetic"
+    trace: str = ""
+    host_profile: str = ""
+    timing: str = "step"
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise SweepError(f"kind: {self.kind!r} is not one of {KINDS}")
+        for name in self.shapes:
+            try:
+                get_shape(name)
+            except ValueError as err:
+                raise SweepError(f"shapes: {err}") from None
+        for name in self.methods:
+            try:
+                spec = parse_method(name)
+            except MethodNameError as err:
+                raise SweepError(f"methods: {err}") from None
+            if not spec.is_occult and name not in METHOD_CLASSES:
+                raise SweepError(f"methods: {name!r} has no adapter; expected one of {sorted(METHOD_CLASSES)}")
+        if self.world < 1:
+            raise SweepError(f"D: must be at least 1, got {self.world}")
+        if not self.sizes or min(self.sizes) < 1:
+            raise SweepError(f"sizes: need positive sizes, got {self.sizes}")
+        for field in ("repeats", "input_sets", "check_tokens", "seq_len"):
+            if getattr(self, field) < 1:
+                raise SweepError(f"{field}: must be at least 1, got {getattr(self, field)}")
+        if self.routing not in ROUTINGS:
+            raise SweepError(f"routing: {self.routing!r} is not one of {ROUTINGS}")
+        if self.timing not in TIMINGS:
+            raise SweepError(f"timing: {self.timing!r} is not one of {TIMINGS}")
+        if self.routing == "trace" and not Path(self.trace).is_file():
+            raise SweepError(f"trace: routing=trace needs a routing_*.npz file, got {self.trace!r}")
+        if self.warmup < 0:
+            raise SweepError(f"warmup: must be >= 0, got {self.warmup}")
+        if self.dtype not in DTYPES:
+            raise SweepError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.device not in ("cuda", "cpu"):
+            raise SweepError(f"device: {self.device!r} is not cuda or cpu")
+        if self.occult_backend not in ("auto", "torch", "triton"):
+            raise SweepError(f"occult_backend: {self.occult_backend!r} is not auto, torch or triton")
+
+    def tokens_per_gpu(self, size: int) -> int:
+        return size * self.seq_len if self.kind == "train" else size
+
+    def batch(self, size: int) -> int | None:
+        return None if self.kind == "prefill" else size
