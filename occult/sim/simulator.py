@@ -1446,7 +1446,7 @@ def calibrate(points: Sequence[MeasuredPoint], cost: CostModel) -> CostModel:
     for family in ("occult", "occult-pe", "occult-static"):
         for pass_ in PASSES:
             group = [p for p in calib if p.spec.family == family and p.pass_ == pass_]
-            graph_spec = dataclasses.replace(group[0].spec, family="occult-graph") if group else None
+            graph_spec = method_spec("occult-graph") if group else None   # its kernels and other GPU work
             if not group or cost.missing(graph_spec, pass_, group[0].num_devices):
                 continue
             fits = {}
