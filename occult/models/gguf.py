@@ -1,15 +1,18 @@
-"""Read GGUF files (llama.cpp's model format): metadata, tensors, and the tokenizer they carry.
+"""GGUF files (llama.cpp's model format) read through llama.cpp's own `gguf` package.
 
-Only what the upcycling path needs, written from the format's public description:
-- the header (magic `GGUF`, version 2 or 3), the key/value metadata and the tensor directory;
-- tensors of type F32, F16, BF16, Q8_0 and Q4_1, dequantised to float32 numpy arrays;
+`GGUFReader(path)` wraps `gguf.GGUFReader` with what the upcycling path needs:
+- `field(key)`: a metadata value as plain Python (int, float, bool, str, or a list of them);
+- `tensors`: name -> `TensorInfo` (shape in PyTorch order, quantisation type);
+- `tensor(name)`: the tensor dequantised to float32 by `gguf.quants.dequantize`, which reads
+  every type the package implements (F32, F16, BF16, Q4_0 ... Q8_0, the K-quants, IQ types);
 - `gguf_tokenizer(reader)`: a transformers fast tokenizer rebuilt from `tokenizer.ggml.*`
   (byte-level BPE, `tokenizer.ggml.model == "gpt2"`) with the pre-tokenizer that
   `tokenizer.ggml.pre` names.
 
-Tensor shapes are returned in PyTorch order: GGUF lists dimensions fastest first (`ne[0]` is the
-row length), so a `[out, in]` linear weight is stored as `ne = (in, out)` and comes back `[out, in]`.
-Every malformed input raises `GGUFError` naming the file and the offending field.
+GGUF lists dimensions fastest first (`ne[0]` is the row length), so a `[out, in]` linear weight is
+stored as `ne = (in, out)` and comes back `[out, in]`. Opening a file parses all its metadata
+(SmolLM2-135M's 49k-token vocabulary: a few seconds). Every malformed input raises `GGUFError`
+naming the file and the offending key or tensor.
 """
 
 from __future__ import annotations
@@ -18,18 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
-
-# metadata value types
-_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1",
-            10: "<u8", 11: "<i8", 12: "<f8"}
-_STRING, _ARRAY, _BOOL = 8, 9, 7
-
-# tensor types: name, elements per block, bytes per block
-GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 30: ("BF16", 1, 2)}
 
 
 class GGUFError(ValueError):
@@ -40,147 +35,63 @@ class GGUFError(ValueError):
 class TensorInfo:
     name: str
     shape: tuple[int, ...]      # PyTorch order (slowest first)
-    ggml_type: int
-    offset: int                 # absolute byte offset in the file
-
-    @property
-    def type_name(self) -> str:
-        return GGML_TYPES.get(self.ggml_type, (f"type {self.ggml_type}",))[0]
+    type_name: str              # GGML quantisation type: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q6_K, ...
 
     @property
     def numel(self) -> int:
         return int(np.prod(self.shape)) if self.shape else 1
 
-    @property
-    def nbytes(self) -> int:
-        _, block, size = GGML_TYPES[self.ggml_type]
-        return self.numel // block * size
-
-
-class _Cursor:
-    def __init__(self, buf: memoryview, path: Path):
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def take(self, n: int, what: str) -> memoryview:
-        if self.pos + n > len(self.buf):
-            raise GGUFError(f"{self.path}: truncated while reading {what} at byte {self.pos}")
-        out = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-    def scalar(self, fmt: str, what: str):
-        dtype = np.dtype(fmt)
-        return np.frombuffer(self.take(dtype.itemsize, what), dtype=dtype)[0].item()
-
-    def string(self, what: str) -> str:
-        n = self.scalar("<u8", what)
-        try:
-            return bytes(self.take(n, what)).decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise GGUFError(f"{self.path}: {what} is not UTF-8 ({err})") from None
-
-    def value(self, vtype: int, what: str) -> Any:
-        if vtype == _STRING:
-            return self.string(what)
-        if vtype == _BOOL:
-            return bool(self.scalar("<u1", what))
-        if vtype in _SCALARS:
-            return self.scalar(_SCALARS[vtype], what)
-        if vtype == _ARRAY:
-            item_type = self.scalar("<u4", what)
-            count = self.scalar("<u8", what)
-            if item_type in _SCALARS and item_type != _BOOL:
-                dtype = np.dtype(_SCALARS[item_type])
-                return np.frombuffer(self.take(dtype.itemsize * count, what), dtype=dtype).copy()
-            return [self.value(item_type, what) for _ in range(count)]
-        raise GGUFError(f"{self.path}: {what} has unknown value type {vtype}")
-
 
 class GGUFReader:
-    """A memory-mapped GGUF file: `metadata` (dict), `tensors` (name -> TensorInfo), `tensor(name)`."""
+    """A memory-mapped GGUF file: `field(key)`, `tensors` (name -> TensorInfo), `tensor(name)`."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         if not self.path.is_file():
             raise GGUFError(f"{self.path}: no such file")
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        cur = _Cursor(memoryview(self._map), self.path)
-        if bytes(cur.take(4, "magic")) != MAGIC:
-            raise GGUFError(f"{self.path}: not a GGUF file (magic is not 'GGUF')")
-        self.version = cur.scalar("<u4", "version")
-        if self.version not in (2, 3):
-            raise GGUFError(f"{self.path}: GGUF version {self.version} is not supported (2, 3)")
-        n_tensors = cur.scalar("<u8", "tensor_count")
-        n_kv = cur.scalar("<u8", "metadata_kv_count")
-        self.metadata: dict[str, Any] = {}
-        for i in range(n_kv):
-            key = cur.string(f"metadata key #{i}")
-            self.metadata[key] = cur.value(cur.scalar("<u4", f"type of {key}"), key)
-        infos = []
-        for i in range(n_tensors):
-            name = cur.string(f"tensor name #{i}")
-            n_dims = cur.scalar("<u4", f"{name}.n_dims")
-            dims = [cur.scalar("<u8", f"{name}.dims") for _ in range(n_dims)]
-            ggml_type = cur.scalar("<u4", f"{name}.type")
-            offset = cur.scalar("<u8", f"{name}.offset")
-            infos.append((name, tuple(reversed(dims)), ggml_type, offset))
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        data_start = -(-cur.pos // alignment) * alignment
-        self.tensors: dict[str, TensorInfo] = {}
-        for name, shape, ggml_type, offset in infos:
-            info = TensorInfo(name, shape, ggml_type, data_start + offset)
-            if ggml_type not in GGML_TYPES:
-                raise GGUFError(f"{self.path}: tensor {name} has type {ggml_type}, not one of "
-                                f"{sorted(v[0] for v in GGML_TYPES.values())}")
-            if shape and shape[-1] % GGML_TYPES[ggml_type][1]:
-                raise GGUFError(f"{self.path}: tensor {name}: row length {shape[-1]} is not a multiple of "
-                                f"the {info.type_name} block")
-            if info.offset + info.nbytes > len(self._map):
-                raise GGUFError(f"{self.path}: tensor {name} runs past the end of the file")
-            self.tensors[name] = info
+        with open(self.path, "rb") as handle:
+            if handle.read(4) != MAGIC:
+                raise GGUFError(f"{self.path}: not a GGUF file (magic is not 'GGUF')")
+        try:
+            self._file = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, KeyError, OverflowError) as err:
+            raise GGUFError(f"{self.path}: truncated or malformed GGUF file ({err})") from None
+        self.version = int(self._file.fields["GGUF.version"].contents())
+        self._tensors = {t.name: t for t in self._file.tensors}
+        self.tensors: dict[str, TensorInfo] = {
+            t.name: TensorInfo(t.name, tuple(int(d) for d in reversed(t.shape.tolist())), t.tensor_type.name)
+            for t in self._file.tensors}
 
     def field(self, key: str, default: Any = ...) -> Any:
         """A metadata value; a missing key without a default raises GGUFError naming it."""
-        if key in self.metadata:
-            return self.metadata[key]
-        if default is ...:
-            raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
-        return default
+        found = self._file.get_field(key)
+        if found is None:
+            if default is ...:
+                raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
+            return default
+        try:
+            return found.contents()
+        except (UnicodeDecodeError, IndexError, ValueError) as err:
+            raise GGUFError(f"{self.path}: metadata key {key!r} cannot be read ({err})") from None
 
     def tensor(self, name: str) -> np.ndarray:
-        """The named tensor dequantised to float32, in PyTorch shape order."""
-        info = self.tensors.get(name)
-        if info is None:
+        """The named tensor dequantised to a new float32 array, in PyTorch shape order."""
+        found = self._tensors.get(name)
+        if found is None:
             raise GGUFError(f"{self.path}: no tensor {name!r}")
-        raw = self._map[info.offset:info.offset + info.nbytes]
-        return dequantize(raw, info.ggml_type, info.numel).reshape(info.shape)
+        if found.data.dtype != np.uint8:        # plain F32, F16, F64 or integer storage
+            return found.data.astype(np.float32)
+        try:
+            values = gguf.quants.dequantize(found.data, found.tensor_type)
+        except NotImplementedError:
+            raise GGUFError(f"{self.path}: tensor {name!r} has type {found.tensor_type.name}, which gguf "
+                            f"{_gguf_version()} cannot dequantise") from None
+        return np.require(values, np.float32, ["C", "W", "O"])
 
 
-def _f16(raw: np.ndarray) -> np.ndarray:
-    return raw.view("<f2").astype(np.float32)
-
-
-def dequantize(raw: np.ndarray, ggml_type: int, numel: int) -> np.ndarray:
-    """`numel` float32 values from the bytes `raw` of one tensor of `ggml_type`."""
-    raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if ggml_type == 0:
-        return raw.view("<f4").astype(np.float32)
-    if ggml_type == 1:
-        return _f16(raw)
-    if ggml_type == 30:
-        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    blocks = raw.reshape(-1, GGML_TYPES[ggml_type][2])
-    if ggml_type == 8:      # Q8_0: scale d (f16), 32 int8 -> d * q
-        d = _f16(blocks[:, :2].copy())
-        q = blocks[:, 2:].view(np.int8).astype(np.float32)
-        return (d * q).reshape(numel)
-    if ggml_type == 3:      # Q4_1: scale d, minimum m (f16), 16 bytes; byte j holds elements j and j+16
-        d = _f16(blocks[:, 0:2].copy())
-        m = _f16(blocks[:, 2:4].copy())
-        qs = blocks[:, 4:]
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
-        return (d * q + m).reshape(numel)
-    raise GGUFError(f"tensor type {ggml_type} is not supported")
+def _gguf_version() -> str:
+    import importlib.metadata as md
+    return md.version("gguf")
 
 
 # --------------------------------------------------------------------------- tokenizer

@@ -1,5 +1,7 @@
-"""A minimal GGUF v3 writer for tests: metadata of every scalar type, strings, arrays, and
-tensors in F32, F16, Q8_0 and Q4_1 (quantised here with the formats' own rules)."""
+"""A minimal GGUF v3 writer for tests, independent of the `gguf` package the reader uses: metadata
+of every scalar type, strings, arrays, and tensors in F32, F16, Q8_0 and Q4_1 (quantised here with
+the formats' own rules) and Q4_0 (quantised by `gguf.quants.quantize`, decoded here). Each tensor
+comes with the float32 values a correct reader must decode, computed here from the block values."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-TYPE_IDS = {"F32": 0, "F16": 1, "Q4_1": 3, "Q8_0": 8}
+TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
 
 def _string(s: str) -> bytes:
@@ -16,7 +18,13 @@ def _string(s: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+class UInt32(int):
+    """A metadata integer written as UINT32 (`general.alignment` must be)."""
+
+
 def _value(v) -> tuple[int, bytes]:
+    if isinstance(v, UInt32):
+        return 4, struct.pack("<I", v)
     if isinstance(v, bool):
         return 7, struct.pack("<B", v)
     if isinstance(v, int):
@@ -56,20 +64,32 @@ def quantize_q4_1(x: np.ndarray) -> tuple[bytes, np.ndarray]:
     return raw, (d.astype(np.float32)[:, None] * q + m.astype(np.float32)[:, None]).reshape(x.shape)
 
 
+def quantize_q4_0(x: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """Blocks of an f16 scale d and 16 bytes, byte j holding elements j (low nibble) and j + 16:
+    element = d * (nibble - 8). Quantised by llama.cpp's own rule (`gguf.quants`)."""
+    import gguf
+
+    raw = gguf.quants.quantize(x.reshape(-1, 32).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    d = raw[:, :2].copy().view("<f2").astype(np.float32)
+    qs = raw[:, 2:]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32) - 8
+    return raw.tobytes(), (d * q).reshape(x.shape)
+
+
 def encode_tensor(x: np.ndarray, kind: str) -> tuple[bytes, np.ndarray]:
     if kind == "F32":
         return x.astype("<f4").tobytes(), x.astype(np.float32)
     if kind == "F16":
         h = x.astype("<f2")
         return h.tobytes(), h.astype(np.float32)
-    return {"Q8_0": quantize_q8_0, "Q4_1": quantize_q4_1}[kind](x)
+    return {"Q8_0": quantize_q8_0, "Q4_1": quantize_q4_1, "Q4_0": quantize_q4_0}[kind](x)
 
 
 def write_gguf(path: Path, metadata: dict, tensors: dict[str, tuple[np.ndarray, str]],
                alignment: int = 32) -> dict[str, np.ndarray]:
     """Write the file; return, per tensor, the float32 values a correct reader must decode."""
     header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata) + 1)
-    for key, v in {**metadata, "general.alignment": alignment}.items():
+    for key, v in {**metadata, "general.alignment": UInt32(alignment)}.items():
         code, payload = _value(v)
         header += _string(key) + struct.pack("<I", code) + payload
     blobs, expected, offset, infos = [], {}, 0, b""

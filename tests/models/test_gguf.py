@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from occult.models.gguf import GGUFError, GGUFReader, dequantize, find_gguf, gguf_tokenizer
-from tests.models.gguf_writer import quantize_q4_1, write_gguf
+from occult.models.gguf import GGUFError, GGUFReader, find_gguf, gguf_tokenizer
+from tests.models.gguf_writer import write_gguf
 
 
 def test_metadata_and_tensors_round_trip(tmp_path):
@@ -12,6 +12,7 @@ def test_metadata_and_tensors_round_trip(tmp_path):
         "b.f16": (rng.standard_normal((2, 5, 32)).astype(np.float32), "F16"),
         "c.q8": (rng.standard_normal((4, 96)).astype(np.float32), "Q8_0"),
         "d.q41": (rng.standard_normal((6, 64)).astype(np.float32) * 3 + 1, "Q4_1"),
+        "e.q40": (rng.standard_normal((5, 64)).astype(np.float32) * 2 - 1, "Q4_0"),
     }
     meta = {"general.architecture": "llama", "x.count": 7, "x.big": 2**40, "x.eps": 1e-5, "x.flag": True,
             "x.names": ["a", "bé", "c d"], "x.types": np.array([1, 3, 4], dtype=np.int32)}
@@ -21,7 +22,7 @@ def test_metadata_and_tensors_round_trip(tmp_path):
     assert r.field("x.count") == 7 and r.field("x.big") == 2**40 and r.field("x.flag") is True
     assert r.field("x.eps") == pytest.approx(1e-5)
     assert r.field("x.names") == ["a", "bé", "c d"]
-    assert r.field("x.types").tolist() == [1, 3, 4]
+    assert r.field("x.types") == [1, 3, 4]
     assert r.field("missing", None) is None
     for name, (x, kind) in tensors.items():
         got = r.tensor(name)
@@ -33,17 +34,29 @@ def test_metadata_and_tensors_round_trip(tmp_path):
     x4 = tensors["d.q41"][0].reshape(-1, 32)
     step = (x4.max(1) - x4.min(1)) / 15
     assert (np.abs(q4 - x4) <= step[:, None] * 0.51 + 2e-3 * np.abs(x4).max()).all()
+    # Q4_0 (a type the reader gets from `gguf`): scale max|x| / 8 per block, error within a step
+    q0 = r.tensor("e.q40").reshape(-1, 32)
+    x0 = tensors["e.q40"][0].reshape(-1, 32)
+    assert (np.abs(q0 - x0) <= np.abs(x0).max(1, keepdims=True) / 8 * 0.51 + 1e-3).all()
 
 
-def test_q4_1_nibble_order():
+def test_q4_1_nibble_order(tmp_path):
     # one block: d = 1, m = -8; byte j holds element j (low nibble) and element j + 16 (high nibble)
+    import gguf
+
     d, m = np.float16(1).tobytes(), np.float16(-8).tobytes()
     qs = bytes((j & 0xF) | (((15 - j) & 0xF) << 4) for j in range(16))
-    got = dequantize(np.frombuffer(d + m + qs, dtype=np.uint8), 3, 32)
+    writer = gguf.GGUFWriter(tmp_path / "n.gguf", "llama")
+    writer.add_tensor("q", np.frombuffer(d + m + qs, dtype=np.uint8).reshape(1, 20),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     want = np.array([j - 8 for j in range(16)] + [15 - j - 8 for j in range(16)], dtype=np.float32)
-    np.testing.assert_array_equal(got, want)
-    raw, decoded = quantize_q4_1(want)
-    np.testing.assert_array_equal(dequantize(np.frombuffer(raw, dtype=np.uint8), 3, 32), decoded)
+    r = GGUFReader(tmp_path / "n.gguf")
+    assert r.tensors["q"].shape == (1, 32) and r.tensors["q"].type_name == "Q4_1"
+    np.testing.assert_array_equal(r.tensor("q"), want[None])
 
 
 def test_bad_files_name_the_file_and_field(tmp_path):
@@ -54,10 +67,10 @@ def test_bad_files_name_the_file_and_field(tmp_path):
     write_gguf(tmp_path / "ok.gguf", {"k": 1}, {"t": (np.ones((2, 32), np.float32), "Q8_0")})
     data = (tmp_path / "ok.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[:-40])  # 68 bytes of blocks padded to 96
-    with pytest.raises(GGUFError, match="cut.gguf: tensor t runs past the end"):
+    with pytest.raises(GGUFError, match="cut.gguf: truncated or malformed"):
         GGUFReader(tmp_path / "cut.gguf")
     (tmp_path / "head.gguf").write_bytes(data[:30])
-    with pytest.raises(GGUFError, match="head.gguf: truncated"):
+    with pytest.raises(GGUFError, match="head.gguf: truncated or malformed"):
         GGUFReader(tmp_path / "head.gguf")
     r = GGUFReader(tmp_path / "ok.gguf")
     with pytest.raises(GGUFError, match="metadata key 'nope' is missing"):

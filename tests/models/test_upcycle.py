@@ -8,7 +8,7 @@ import torch
 from occult.models.gguf import GGUFError
 from occult.models.moe import moe_layers
 from occult.models.upcycle import dense_from_gguf, upcycle_gguf
-from tests.models.gguf_writer import write_gguf
+from tests.models.gguf_writer import encode_tensor, write_gguf
 
 IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
 
@@ -32,7 +32,18 @@ def _reference_llama(tied: bool):
     return model
 
 
-def _to_gguf(model, path):
+def _round_linear_weights(model, kind: str) -> None:
+    """Replace every attention and FFN weight by the values it decodes to in `kind`, so that a
+    file written in `kind` holds the model exactly (re-quantising decoded blocks is lossless)."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for lin in (*(getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+                        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                lin.weight.copy_(torch.from_numpy(encode_tensor(lin.weight.numpy(), kind)[1]))
+
+
+def _to_gguf(model, path, kind: str = "F32"):
+    """The llama model as a GGUF file; attention and FFN weights in `kind`."""
     c = model.config
     g = lambda t: t.detach().numpy().astype(np.float32)  # noqa: E731
     tensors = {"token_embd.weight": (g(model.model.embed_tokens.weight), "F32"),
@@ -44,13 +55,13 @@ def _to_gguf(model, path):
         tensors.update({
             b + "attn_norm.weight": (g(layer.input_layernorm.weight), "F32"),
             b + "ffn_norm.weight": (g(layer.post_attention_layernorm.weight), "F32"),
-            b + "attn_q.weight": (_llama_cpp_permute(g(a.q_proj.weight), c.num_attention_heads), "F32"),
-            b + "attn_k.weight": (_llama_cpp_permute(g(a.k_proj.weight), c.num_key_value_heads), "F32"),
-            b + "attn_v.weight": (g(a.v_proj.weight), "F32"),
-            b + "attn_output.weight": (g(a.o_proj.weight), "F32"),
-            b + "ffn_gate.weight": (g(m.gate_proj.weight), "F32"),
-            b + "ffn_up.weight": (g(m.up_proj.weight), "F32"),
-            b + "ffn_down.weight": (g(m.down_proj.weight), "F32"),
+            b + "attn_q.weight": (_llama_cpp_permute(g(a.q_proj.weight), c.num_attention_heads), kind),
+            b + "attn_k.weight": (_llama_cpp_permute(g(a.k_proj.weight), c.num_key_value_heads), kind),
+            b + "attn_v.weight": (g(a.v_proj.weight), kind),
+            b + "attn_output.weight": (g(a.o_proj.weight), kind),
+            b + "ffn_gate.weight": (g(m.gate_proj.weight), kind),
+            b + "ffn_up.weight": (g(m.up_proj.weight), kind),
+            b + "ffn_down.weight": (g(m.down_proj.weight), kind),
         })
     meta = {"general.architecture": "llama", "llama.block_count": c.num_hidden_layers,
             "llama.context_length": 64, "llama.embedding_length": c.hidden_size,
@@ -60,10 +71,11 @@ def _to_gguf(model, path):
     write_gguf(path, meta, tensors)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_dense_and_upcycled_models_equal_the_source(tmp_path, tied):
+@pytest.mark.parametrize("tied, kind", [(True, "F32"), (False, "F32"), (True, "Q4_0"), (False, "Q4_1")])
+def test_dense_and_upcycled_models_equal_the_source(tmp_path, tied, kind):
     ref = _reference_llama(tied)
-    _to_gguf(ref, tmp_path / "m.gguf")
+    _round_linear_weights(ref, kind)
+    _to_gguf(ref, tmp_path / "m.gguf", kind)
     x = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = ref(x).logits

@@ -47,7 +47,7 @@ def test_host_probe_scales_with_its_work():
 
 
 def test_interleaved_ab_alternates_the_order_and_writes_one_row_per_step(monkeypatch, tmp_path):
-    """`interleaved_ab` (the host-speed-controlled A/B of workflow/scripts/*_host_ab.py): every step
+    """`interleaved_ab` (the host-speed-controlled A/B of occult.harness.host_ab): every step
     warmed up, then timed once per round, in reversed order every other round, one CSV row per step."""
     class Event:
         def __init__(self, **_kwargs):

@@ -1,25 +1,30 @@
 """Is the eager layer's host time a property of the layer or of the host CPU at that moment?
 
 Runs, for `--seconds`, rounds of three host-side workloads back to back on one GPU and writes one
-CSV row per round (monotonic time stamp, microseconds of each):
-  * `python_us`: a fixed pure-Python loop (`occult.harness.sweep.timing.host_probe_us`, no torch, no GPU): the
-    CPU's single-thread speed;
-  * `launch_us`: `--launches` tiny CUDA kernels issued without a sync (`occult.harness.sweep.timing.host_launch_us`):
-    the driver's launch path;
-  * `layer_us`:  one eager `occult.ep.ep_moe` call at D = 1 (decode batch, DeepSeek-MoE shape by
+CSV row per round (monotonic time stamp, microseconds of each, the CPU the round ended on):
+  * `python_us`: a fixed pure-Python loop (`occult.harness.sweep.timing.host_probe_us`, no torch, no
+    GPU): the CPU's single-thread speed;
+  * `launch_us`: `--launches` tiny CUDA kernels issued without a sync
+    (`occult.harness.sweep.timing.host_launch_us`): the driver's launch path;
+  * `layer_us`: one eager `occult.ep.ep_moe` call at D = 1 (decode batch, DeepSeek-MoE shape by
     default, no sync inside the call), the GPU drained before it, as `occult.harness.sweep` times a step.
 If `layer_us` moves with `python_us` over time, the sweeps' host-bound points move with the CPU
-and not with the code. Usage (one GPU):
-  python workflow/scripts/host_probe.py --seconds 60 --out host_probe.csv
+and not with the code. One GPU (Snakemake: rule probe_host):
+
+    python -m occult.harness.host_probe --seconds 60 --out host_probe.csv
 """
+
 from __future__ import annotations
 
 import argparse
 import csv
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+from occult.logs import run_main
 
 
 def current_cpu() -> int:
@@ -30,8 +35,8 @@ def current_cpu() -> int:
         return -1
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m occult.harness.host_probe", description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--experts", type=int, default=64)
@@ -42,7 +47,10 @@ def main() -> int:
     parser.add_argument("--launches", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
+    parser.add_argument("--log-json", metavar="PATH", help="append JSON-lines logs here (default: $OCCULT_LOG_JSON)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU")
 
     from occult.ep import ep_moe
     from occult.harness.sweep.timing import host_launch_us, host_probe_us
@@ -87,4 +95,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_main("host_probe", main))
