@@ -37,3 +37,36 @@ rule make_report:
     shell:
         "occult report --config {params.config} --results {params.results} --figures {params.figures}"
         " --log-json {log.json} 2>&1 | tee {log.text}"
+
+
+CLAIMS_SPEC = "results/paper/claims_spec.yaml"
+
+
+def claims_inputs(wildcards) -> list[str]:
+    """Every committed result file the claims spec reads (occult.report.claims)."""
+    from occult.report.claims import spec_inputs
+
+    return spec_inputs(CLAIMS_SPEC)
+
+
+rule reproduce_paper:
+    input:
+        spec=CLAIMS_SPEC,
+        results=claims_inputs,
+    output:
+        table=report("results/paper/claims.csv", category="Claims of the paper", caption="../report/claims.rst"),
+        figure=report("figures/paper/claims.png", category="Claims of the paper", caption="../report/claims.rst"),
+    log:
+        text="logs/reproduce_paper/claims.log",
+        json="logs/reproduce_paper/claims.jsonl",
+    benchmark:
+        "benchmarks/reproduce_paper/claims.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python -m occult.report.claims --spec {input.spec} --out {output.table} --figure {output.figure}"
+        " --log-json {log.json} > {log.text} 2>&1"
