@@ -6,6 +6,7 @@ import yaml
 from snakemake.exceptions import WorkflowError
 
 from occult.config import ConfigError, load_config
+from occult.report.results_index import ResultsIndexError, runs_in_tree
 
 try:
     CFG = load_config(config)
@@ -78,29 +79,42 @@ def variant_model(wildcards):
     return f"{WORK}/finetune/{wildcards.variant}"
 
 
-def committed_sweep_runs() -> list[tuple[str, str]]:
-    """(machine, version) of every committed GPU sweep run: results/<machine>/sweeps_<version>/."""
+# The committed GPU runs whose figures `rule all` redraws: those results/<machine>/index.csv keeps in the tree.
+try:
+    RUNS_IN_TREE = runs_in_tree(results_dir="results")
+except ResultsIndexError as err:
+    raise WorkflowError(f"results index error: {err}") from None
+
+
+def indexed_runs(kind: str, holding: str) -> list[tuple[str, str]]:
+    """(machine, version) of every in-tree run of `kind` named results/<machine>/<kind>_<version>/
+    that holds a file matching `holding`."""
     runs = set()
-    for csv in Path("results").glob("*/sweeps_*/sweep_*_D*.csv"):
-        runs.add((csv.parent.parent.name, csv.parent.name.removeprefix("sweeps_")))
+    for machine, run, run_kind in zip(RUNS_IN_TREE["machine"], RUNS_IN_TREE["run"], RUNS_IN_TREE["kind"]):
+        if run_kind == kind and run.startswith(f"{kind}_") and any((Path("results") / machine / run).glob(holding)):
+            runs.add((machine, run.removeprefix(f"{kind}_")))
     return sorted(runs)
+
+
+def committed_sweep_runs() -> list[tuple[str, str]]:
+    """(machine, version) of every indexed GPU sweep run with sweep CSVs: results/<machine>/sweeps_<version>/."""
+    return indexed_runs("sweeps", "sweep_*_D*.csv")
 
 
 def committed_ep_runs() -> list[tuple[str, str]]:
-    """(machine, version) of every committed EP benchmark run: results/<machine>/ep_<version>/."""
-    return sorted({(csv.parent.parent.name, csv.parent.name.removeprefix("ep_"))
-                   for csv in Path("results").glob("*/ep_*/ep_*_D*.csv")})
+    """(machine, version) of every indexed EP benchmark run: results/<machine>/ep_<version>/."""
+    return indexed_runs("ep", "ep_*_D*.csv")
 
 
 def committed_kernel_runs() -> list[tuple[str, str]]:
-    """(machine, version) of every committed kernel benchmark run with the cuBLAS peaks measured in
+    """(machine, version) of every indexed kernel benchmark run with the cuBLAS peaks measured in
     the same run: results/<machine>/kernels_<version>/kernels.csv with a pct_of_burst_peak column."""
-    runs = set()
-    for csv in Path("results").glob("*/kernels_*/kernels.csv"):
-        with open(csv) as handle:
-            if "pct_of_burst_peak" in handle.readline().split(","):
-                runs.add((csv.parent.parent.name, csv.parent.name.removeprefix("kernels_")))
-    return sorted(runs)
+    runs = []
+    for machine, version in indexed_runs("kernels", "kernels.csv"):
+        with open(Path("results") / machine / f"kernels_{version}" / "kernels.csv") as handle:
+            if "pct_of_burst_peak" in handle.readline().rstrip("\n").split(","):
+                runs.append((machine, version))
+    return runs
 
 
 def kernel_bench_csvs(wildcards) -> list[str]:
@@ -119,14 +133,10 @@ def gpu_sweep_csvs(wildcards) -> list[str]:
 
 
 def committed_quality_runs(holding: str = "evaluate/*.json") -> list[tuple[str, str]]:
-    """(machine, version) of every committed quality-study run results/<machine>/quality_<version>/
+    """(machine, version) of every indexed quality-study run results/<machine>/quality_<version>/
     with a file matching `holding` (default: its evaluations; `placement_study/study.csv`: a placement
     study of its routing sample, docs/placement.md)."""
-    runs = set()
-    for path in Path("results").glob(f"*/quality_*/{holding}"):
-        run_dir = path.parents[len(Path(holding).parts) - 1]
-        runs.add((run_dir.parent.name, run_dir.name.removeprefix("quality_")))
-    return sorted(runs)
+    return indexed_runs("quality", holding)
 
 
 def quality_eval_jsons(wildcards) -> list[str]:
