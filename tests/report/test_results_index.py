@@ -4,6 +4,7 @@ against the committed tree and the simulator's inputs."""
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 from pathlib import Path
 
@@ -143,3 +144,17 @@ def test_every_file_the_simulator_reads_is_in_an_indexed_run_that_says_so():
         entry = index.loc[(parts[1], parts[2])]
         assert entry["in_tree"] == "yes", name
         assert "simulator" in entry["used_by"].split(";"), f"{parts[1]}/{parts[2]}: used_by lacks simulator ({name})"
+
+
+def test_every_run_the_paper_claims_read_is_in_the_tree_and_says_so():
+    spec = REPO / "results" / "paper" / "claims_spec.yaml"
+    if not spec.is_file():
+        pytest.skip("no paper-claims spec")
+    named = set(re.findall(r"results/([\w.-]+)/([\w.-]+)", spec.read_text()))
+    index = load_index(REPO / "results").set_index(["machine", "run"])
+    runs = [(m, r) for m, r in named if m not in NOT_MACHINES]
+    assert runs, f"{spec}: names no run"
+    for machine, run in runs:
+        entry = index.loc[(machine, run)]
+        assert entry["in_tree"] == "yes", f"{machine}/{run}"
+        assert "claims" in entry["used_by"].split(";"), f"{machine}/{run}: used_by lacks claims"
