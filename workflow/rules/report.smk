@@ -70,3 +70,24 @@ rule reproduce_paper:
     shell:
         "python -m occult.report.claims --spec {input.spec} --out {output.table} --figure {output.figure}"
         " --log-json {log.json} > {log.text} 2>&1"
+
+
+rule write_config_reference:
+    input:
+        schema="config/schema.yaml",
+        defaults="config/config.yaml",
+    output:
+        page="docs/configuration.md",
+    log:
+        text="logs/write_config_reference/configuration.log",
+    benchmark:
+        "benchmarks/write_config_reference/configuration.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=500,
+        runtime=5,
+    shell:
+        "python -m occult.report.config_reference --schema {input.schema} --defaults {input.defaults}"
+        " --out {output.page} > {log.text} 2>&1"
