@@ -182,3 +182,14 @@ def test_the_committed_spec_is_valid_and_names_committed_files():
     assert len({c.id for c in listed}) == len(listed)
     root = spec.parents[2]
     assert all((root / f).exists() for f in claims.spec_inputs(spec))
+
+
+def test_each_claims_latest_run_is_a_current_run_of_the_results_index():
+    from occult.report.results_index import load_index
+
+    root = Path(__file__).resolve().parents[2]
+    index = load_index(root / "results").set_index(["machine", "run"])
+    for entry in claims.load_spec(root / "results" / "paper" / "claims_spec.yaml"):
+        if entry.latest:
+            machine, run = Path(entry.latest).parts[-2:]
+            assert index.at[(machine, run), "status"] == "current", f"{entry.id}: {entry.latest} is not current"
