@@ -1,7 +1,8 @@
 """`occult` command line: one subcommand per pipeline stage (the Snakemake rules call these).
 
-Every subcommand takes `--config` (a YAML file, validated before anything runs) and explicit
-input/output paths, so each stage also runs without Snakemake:
+Every subcommand takes `--config` (a YAML file, or a shipped preset's name such as `tiny`;
+validated before anything runs) and explicit input/output paths, so each stage also runs
+without Snakemake:
 
     occult data      --config C --out work/tiny/data
     occult pretrain  --config C --data D --out M --log L --structure S
@@ -127,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     def stage(name: str, func, help_: str, *paths: tuple[str, str], outputs: tuple[str, ...] = ("--out",)
               ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
-        p.add_argument("--config", required=True, help="workflow config YAML (validated first)")
+        p.add_argument("--config", required=True,
+                       help="workflow config YAML, or the name of a shipped preset (tiny, mini, upcycle, olmoe: "
+                            "config/presets/ on top of config/config.yaml); validated first")
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
         p.add_argument("--log-json", default=None, metavar="PATH",
                        help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}; none when unset)")

@@ -4,6 +4,10 @@
 `config/schema.yaml` (closed sections: unknown keys are errors) and then the facts a schema
 cannot express (experts divisible by devices, N_d * E / D >= k, the checkpoint exists).
 Every failure is one `ConfigError` whose message names the offending field.
+
+The schema, the default configuration and the presets are package data: `occult/resources` is a
+link to the repository's `config/` folder, whose files a built wheel holds as copies, so an
+installed `occult` finds them without the checkout (`resource`, `preset_config`).
 """
 
 from __future__ import annotations
@@ -11,14 +15,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import importlib.resources
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "config" / "schema.yaml"
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+RESOURCES = "resources"      # occult/resources -> ../config: schema.yaml, config.yaml, presets/
 VARIANT_RE = re.compile(r"^(raw|sft|prune(?P<nd>[0-9]+)-(?P<kind>router|sim))$")
 
 
@@ -259,8 +268,26 @@ def checkpoint_moe_shape(model: ModelConfig) -> tuple[int, int]:
     return experts, top_k
 
 
+def resource(*parts: str) -> Traversable:
+    """A file of the package's copy of `config/` (`resource("schema.yaml")`), checkout or wheel."""
+    return importlib.resources.files("occult").joinpath(RESOURCES, *parts)
+
+
+def preset_names() -> list[str]:
+    """The presets shipped with the package (`config/presets/<name>.yaml`)."""
+    return sorted(f.name[:-len(".yaml")] for f in resource("presets").iterdir() if f.name.endswith(".yaml"))
+
+
+def preset_config(name: str) -> dict:
+    """The default configuration (`config/config.yaml`) with the named preset on top, as a dict."""
+    if name not in preset_names():
+        raise ConfigError(f"preset {name!r} is not shipped (presets: {', '.join(preset_names())})")
+    default = yaml.safe_load(resource("config.yaml").read_text(encoding="utf-8"))
+    return merge(default, yaml.safe_load(resource("presets", f"{name}.yaml").read_text(encoding="utf-8")) or {})
+
+
 def _schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    return yaml.safe_load(resource("schema.yaml").read_text(encoding="utf-8"))
 
 
 def _validate_schema(raw: dict) -> None:
@@ -370,15 +397,19 @@ def _section(cls, raw: dict):
 
 
 def load_config(source: str | Path | dict, overrides: dict | None = None) -> Config:
-    """Load, validate and type a configuration from a YAML path or a dict."""
+    """Load, validate and type a configuration from a YAML path, a dict, or the name of a shipped
+    preset (`tiny`, `mini`, ...: `preset_config`) where no file of that name exists."""
     if isinstance(source, dict):
         raw = copy.deepcopy(source)
+    elif not Path(source).is_file() and str(source) in preset_names():
+        raw = preset_config(str(source))
     else:
         path = Path(source)
         try:
             raw = yaml.safe_load(path.read_text())
         except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
+            raise ConfigError(f"config file {path} does not exist "
+                              f"(or name a shipped preset: {', '.join(preset_names())})") from None
         except yaml.YAMLError as err:
             raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
     if overrides:

@@ -1,6 +1,7 @@
 """Config validation: each bad value gives one ConfigError naming the offending field."""
 
 import json
+import os
 
 import pytest
 import yaml
@@ -26,6 +27,22 @@ def test_default_loads_and_hashes_stably():
 def test_presets_load(preset):
     cfg = load_config(merge(DEFAULT, yaml.safe_load(open(f"config/presets/{preset}.yaml"))))
     assert cfg.run == preset
+
+
+def test_shipped_presets_are_the_repository_files(tmp_path, monkeypatch):
+    """`load_config("mini")`: the package's copy of config/ (occult/resources), default + preset."""
+    from occult.config import preset_config, preset_names, resource
+
+    assert resource("schema.yaml").read_text() == open("config/schema.yaml").read()
+    assert preset_names() == sorted(p[:-5] for p in os.listdir("config/presets") if p.endswith(".yaml"))
+    mini = merge(DEFAULT, yaml.safe_load(open("config/presets/mini.yaml")))
+    assert preset_config("mini") == mini and load_config("mini").hash() == load_config(mini).hash()
+    assert load_config("tiny").hash() == load_config(DEFAULT).hash()
+    with pytest.raises(ConfigError, match="config file nope does not exist .*shipped preset: mini, "):
+        load_config("nope")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mini").write_text(yaml.safe_dump(merge(DEFAULT, {"seed": 5})))
+    assert load_config("mini").seed == 5            # a file of that name wins over the preset
 
 
 def test_unknown_key_is_named():
