@@ -27,6 +27,9 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/gpu.smk"
+include: "workflow/rules/gpu_bench.smk"
+include: "workflow/rules/gpu_host.smk"
+include: "workflow/rules/gpu_quality.smk"
 include: "workflow/rules/simulate.smk"
 
 

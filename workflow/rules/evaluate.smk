@@ -23,8 +23,10 @@ rule eval_variant:
     resources:
         mem_mb=8000,
         runtime=120,
+        gpus=0,             # the gpu and slurm profiles give it one
     shell:
-        "occult evaluate --config {params.config} --threads {threads} --variant {wildcards.variant}"
+        "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
+        " occult evaluate --config {params.config} --threads {threads} --variant {wildcards.variant}"
         " --model {input.model} --data {params.data} --profile {params.profile}"
         " --placements {params.placements} --out {output.scores} --log-json {log.json} 2>&1 | tee {log.text}"
 
@@ -129,7 +131,8 @@ rule evaluate_quality_arms:
         runtime=240,
         gpus=0,             # the gpu and slurm profiles give it one
     shell:
-        "python -m occult.stages.evaluate --config {params.config} --model {input.model} --arms {input.arms}"
+        "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
+        " python -m occult.stages.evaluate --config {params.config} --model {input.model} --arms {input.arms}"
         " --data {params.data} --profile {params.profile} --placements {params.placements}"
         " --out {output.scores} --log-json {log.json} 2>&1 | tee {log.text}"
 

@@ -26,7 +26,8 @@ rule finetune_variant:
         runtime=120,
         gpus=0,
     shell:
-        "occult finetune --config {params.config} --threads {threads} --variant {wildcards.variant}"
+        "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
+        " occult finetune --config {params.config} --threads {threads} --variant {wildcards.variant}"
         " --model {input.model} --data {params.data} --profile {params.profile}"
         " --placements {params.placements} --out {output.model} --log {output.loss}"
         " --log-json {log.json} 2>&1 | tee {log.text}"
@@ -34,8 +35,8 @@ rule finetune_variant:
 
 # The quality study's whole grid (occult.routing.variants.quality_arms: every D of the study, the gate
 # ablation, full fine-tuning) where finetune.quality_grid is set (presets mini and upcycle): every
-# arm in one job, data encoded once and arms already saved skipped, as gpu_quality.sh runs it on
-# the lent GPUs (docs/quality.md).
+# arm in one job, data encoded once and arms already saved skipped (docs/quality.md; on a GPU
+# machine: docs/deploy.md).
 rule finetune_quality_arms:
     input:
         model=f"{WORK}/model/base",
@@ -64,6 +65,7 @@ rule finetune_quality_arms:
         runtime=240,
         gpus=0,             # the gpu and slurm profiles give it one
     shell:
-        "python -m occult.stages.finetune --config {params.config} --model {input.model} --data {params.data}"
+        "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
+        " python -m occult.stages.finetune --config {params.config} --model {input.model} --data {params.data}"
         " --profile {params.profile} --placements {params.placements} --out {output.arms}"
         " --logs {output.logs} --log-json {log.json} 2>&1 | tee {log.text}"

@@ -24,7 +24,8 @@ if CFG.model.source in ("scratch", "upcycle"):
             runtime=120,
             gpus=0,
         shell:
-            "occult pretrain --config {params.config} --threads {threads} --data {params.data}"
+            "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
+            " occult pretrain --config {params.config} --threads {threads} --data {params.data}"
             " --out {output.model} --log {output.loss} --structure {output.structure}"
             " --log-json {log.json} 2>&1 | tee {log.text}"
 

@@ -23,7 +23,9 @@ rule profile_coactivation:
     resources:
         mem_mb=8000,
         runtime=60,
+        gpus=0,             # the gpu and slurm profiles give it one
     shell:
-        "occult profile --config {params.config} --threads {threads} --model {input.model}"
+        "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
+        " occult profile --config {params.config} --threads {threads} --model {input.model}"
         " --data {params.data} --out {params.outdir} --log-json {log.json} 2>&1 | tee {log.text}"
         " && cp {params.outdir}/profile.json {output.summary}"
