@@ -27,7 +27,7 @@ PACKAGES = ("torch", "triton", "transformers", "lm_eval", "snakemake", "pandas",
 def git_commit(root: Path = REPO_ROOT) -> str:
     """Short commit of the checkout at `root`, "-dirty" when tracked code or config differs from it
     (changes under results/ and figures/, and to documentation: docs/ and *.md, do not count);
-    $OCCULT_COMMIT where git cannot tell.
+    $OCCULT_COMMIT where git cannot tell; "unknown (installed occult VERSION)" outside a checkout.
 
     A set $OCCULT_COMMIT wins over git: the device scripts set it after checking the copied tree
     against the commit's file hashes, and a copied checkout's .git can be stale (on the lent GPU
@@ -35,6 +35,9 @@ def git_commit(root: Path = REPO_ROOT) -> str:
     pinned = os.environ.get("OCCULT_COMMIT", "").strip()
     if pinned:
         return pinned
+    if not (root / ".git").exists():      # an installed package (site-packages), not a checkout
+        from occult import __version__
+        return f"unknown (installed occult {__version__})"
     try:
         out = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],

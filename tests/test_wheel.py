@@ -10,6 +10,7 @@ test environment's own `.pth` hooks, among them an editable install's finder for
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -81,7 +82,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     venv = _venv_with_wheel(tmp_path, _build_wheel(tmp_path))
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "PYTHONHOME")}
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("PYTHONPATH", "PYTHONHOME", "OCCULT_COMMIT")}
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     python, occult = venv / "bin" / "python", venv / "bin" / "occult"
 
@@ -98,6 +100,8 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
           "--table", "placement/expected_ct.csv"], cwd=work, env=env)
     assert sorted(p.name for p in (work / "placement").glob("D*.json")) == sorted(
         f"D{d}_{m}.json" for d in (2, 4, 8) for m in ("contiguous", "greedy", "swap"))
+    provenance = json.loads((work / "placement" / "D2_greedy.json").read_text())["provenance"]
+    assert provenance["commit"].startswith("unknown (installed occult "), provenance["commit"]
     bad = subprocess.run([occult, "place", "--config", "no-such-preset", "--profile", "profile", "--out", "x",
                           "--table", "x.csv"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no-such-preset does not exist" in bad.stderr, bad.stderr
