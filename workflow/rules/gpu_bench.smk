@@ -6,29 +6,6 @@
 # torchrun rank per GPU and ask the allocator for D themselves: Snakemake lowers a job's `gpus` to
 # the profile's limit, and D ranks must never share fewer GPUs.
 
-# NVLink multicast off: NCCL's NVLS and the symmetric-memory paths hang or fail on some hosts.
-NO_MULTICAST = "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
-# The routing trace replayed by the EP benchmark's `trace` rows: the upcycled model's held-out
-# routing, widened to the layer's 64 experts by the sweep (occult.harness.sweep.inputs.TraceRouter).
-EP_TRACE = "results/nvidia-h200/quality_upcycle_v4/profile/routing_heldout_sample.npz"
-# Every Occult variant of the EP runtime, per kind (prefill: 2^10 ... 2^16 tokens per GPU; train:
-# forward and backward of 32 sequences of 512 tokens per GPU).
-EP_METHODS = {
-    "prefill": "occult occult-pe occult-trivial occult-static occult-graph occult-nd2 occult-nd1 occult-compute",
-    "train": "occult occult-pe occult-static occult-graph occult-nd1 occult-compute",
-}
-EP_SIZES = {"prefill": "", "train": "--sizes 32"}
-
-
-def ep_trace_flag(wildcards) -> str:
-    """The trace of `trace` rows; a parameter, not an input, so that committed runs never look stale."""
-    return f"--trace {committed_path(EP_TRACE)}" if wildcards.routing == "trace" else ""
-
-
-def gpus_of_run(wildcards) -> int:
-    return int(wildcards.devices)
-
-
 # Per-phase times (dispatch, expert kernels, combine), wire bytes and pairs per GPU of every Occult
 # variant on the OLMoE layer shape (d=2048, expert ffn 1024, E=64, k=8, no shared expert), bf16.
 rule bench_ep_runtime:
@@ -38,6 +15,7 @@ rule bench_ep_runtime:
         methods=lambda wildcards: EP_METHODS[wildcards.kind],
         sizes=lambda wildcards: EP_SIZES[wildcards.kind],
         trace=ep_trace_flag,
+        no_multicast=NO_MULTICAST,
     log:
         text="logs/bench_ep_runtime/{machine}_{version}_{kind}_{routing}_D{devices}.log",
         json="logs/bench_ep_runtime/{machine}_{version}_{kind}_{routing}_D{devices}.jsonl",
@@ -57,7 +35,7 @@ rule bench_ep_runtime:
         mem_mb=64000,
         runtime=60,
     shell:
-        "OCCULT_LOG_JSON={log.json} {NO_MULTICAST} python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
+        "OCCULT_LOG_JSON={log.json} {params.no_multicast} python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
         " torchrun --nproc_per_node={wildcards.devices} -m occult.harness.sweep --kind {wildcards.kind}"
         " --shapes olmoe --no-shared --routing {wildcards.routing} {params.trace} --methods {params.methods}"
         " {params.sizes} --repeats 20 --warmup 5 --timeout-s 120 --out {output.csv} > {log.text} 2>&1"
@@ -70,6 +48,7 @@ rule bench_ep_compute:
         csv="results/{machine}/ep_{version}/ep_{kind}_uniform_D{devices}_compute_graph.csv",
     params:
         sizes=lambda wildcards: EP_SIZES[wildcards.kind],
+        no_multicast=NO_MULTICAST,
     log:
         text="logs/bench_ep_compute/{machine}_{version}_{kind}_D{devices}.log",
         json="logs/bench_ep_compute/{machine}_{version}_{kind}_D{devices}.jsonl",
@@ -88,7 +67,7 @@ rule bench_ep_compute:
         mem_mb=64000,
         runtime=30,
     shell:
-        "OCCULT_LOG_JSON={log.json} {NO_MULTICAST} python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
+        "OCCULT_LOG_JSON={log.json} {params.no_multicast} python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
         " torchrun --nproc_per_node={wildcards.devices} -m occult.harness.sweep --kind {wildcards.kind}"
         " --shapes olmoe --no-shared --routing uniform --methods occult-compute-graph {params.sizes}"
         " --repeats 20 --warmup 5 --timeout-s 120 --out {output.csv} > {log.text} 2>&1"
@@ -123,6 +102,8 @@ rule measure_matmul_peak:
 rule profile_ep_layer:
     output:
         tables=directory("results/{machine}/ep_{version}/profile_T{tokens}_D{devices}"),
+    params:
+        no_multicast=NO_MULTICAST,
     log:
         text="logs/profile_ep_layer/{machine}_{version}_T{tokens}_D{devices}.log",
     benchmark:
@@ -140,7 +121,7 @@ rule profile_ep_layer:
         mem_mb=64000,
         runtime=30,
     shell:
-        "{NO_MULTICAST} python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
+        "{params.no_multicast} python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
         " torchrun --nproc_per_node={wildcards.devices} -m occult.harness.ep_profile --tokens {wildcards.tokens}"
         " --repeats 20 --out {output.tables} > {log.text} 2>&1"
 
@@ -208,6 +189,7 @@ rule bench_alltoall:
         gemm="results/{machine}/comm_{version}_D{devices}/gemm.csv",
     params:
         outdir=output_dir,
+        no_multicast=NO_MULTICAST,
     log:
         text="logs/bench_alltoall/{machine}_{version}_D{devices}.log",
         json="logs/bench_alltoall/{machine}_{version}_D{devices}.jsonl",
@@ -225,7 +207,7 @@ rule bench_alltoall:
         mem_mb=64000,
         runtime=30,
     shell:
-        "{NO_MULTICAST} python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
+        "{params.no_multicast} python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
         " torchrun --nproc_per_node={wildcards.devices} -m occult.harness.commbench --out {params.outdir}"
         " --log-json {log.json} > {log.text} 2>&1"
 
