@@ -37,10 +37,6 @@ class TensorInfo:
     shape: tuple[int, ...]      # PyTorch order (slowest first)
     type_name: str              # GGML quantisation type: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q6_K, ...
 
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
-
 
 class GGUFReader:
     """A memory-mapped GGUF file: `field(key)`, `tensors` (name -> TensorInfo), `tensor(name)`."""
