@@ -113,7 +113,7 @@ def _report(args, cfg) -> None:
 
 
 def _simulate(args, cfg) -> None:
-    from occult.sim.simulator import run_simulate
+    from occult.sim.run import run_simulate
 
     if cfg.simulate is None:
         raise ConfigError("simulate: the configuration has no simulate section")

@@ -135,11 +135,11 @@ class SimulateConfig:
     tolerance: float
     hbm_gbps: float | None = None       # HBM bandwidth: floor of the kernels' weight reads (None: no floor)
     kernel_stream_gbps: float | None = None   # small Occult expert calls' weight streaming (None: hbm_gbps)
-    kernel_stream_csv: str | None = None      # or fitted from these calls measured (occult.sim.simulator.fit_weight_streaming)
+    kernel_stream_csv: str | None = None      # or fitted from these calls measured (occult.sim.measured.fit_weight_streaming)
     folders: dict = dataclasses.field(default_factory=dict)   # name -> folder, written `$name` in entries
     history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
     shared_ab: tuple = ()               # ([file with shared experts, file without], ...): the shared expert's cost
-    host_speed: str = "auto"            # auto | none | launch | python: host terms scaled by a probe (occult.sim.simulator.host_scale_of_set)
+    host_speed: str = "auto"            # auto | none | launch | python: host terms scaled by a probe (occult.sim.measured.host_scale_of_set)
     issue8_check: dict | None = None    # {predictions: FILE, measured: [FILE, ...]}: occult.sim.check
 
     def expand(self, text: str, field: str) -> str:
@@ -199,7 +199,7 @@ class Config:
     finetune: FinetuneConfig
     evaluate: EvaluateConfig
     bench: BenchConfig
-    simulate: SimulateConfig | None = None   # optional section: the scale simulator (occult.sim.simulator)
+    simulate: SimulateConfig | None = None   # optional section: the scale simulator (occult.sim.run)
     raw: dict = dataclasses.field(repr=False, compare=False, default_factory=dict)
 
     @property

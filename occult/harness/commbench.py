@@ -187,7 +187,7 @@ def dedup_rows_per_device(shape_name: str, tokens: int, seed: int) -> list[int]:
 
 
 def packed_row_bytes(hidden: int, elem_bytes: int, slots: int) -> int:
-    from occult.sim.simulator import wire_row_bytes
+    from occult.sim.traffic import wire_row_bytes
 
     return wire_row_bytes("dedup", hidden, elem_bytes, slots)[0]
 

@@ -23,8 +23,9 @@ import numpy as np
 
 from occult.harness.baselines import get_shape
 from occult.logs import ENV_LOG_JSON, run_main
-from occult.sim.simulator import (MEASURED_COLUMNS, PREDICTION_COLUMNS, SimulateError, identity_axes, is_simulated_method,
-                             read_table)
+from occult.sim.columns import MEASURED_COLUMNS, PREDICTION_COLUMNS, SimulateError
+from occult.sim.figures import identity_axes
+from occult.sim.measured import is_simulated_method, read_table
 
 KEY = ("shape", "method", "kind", "D", "tokens_per_gpu")
 CHECK_COLUMNS = (
@@ -57,7 +58,7 @@ def read_sweeps(paths: Sequence[str | Path], field: str):
 
 
 def read_predictions(path: str | Path, field: str):
-    """A predictions table (`occult.sim.simulator.PREDICTION_COLUMNS`) with one row per point."""
+    """A predictions table (`occult.sim.columns.PREDICTION_COLUMNS`) with one row per point."""
     frame = read_table(path, PREDICTION_COLUMNS, field)
     duplicated = frame.duplicated(list(KEY))
     if duplicated.any():

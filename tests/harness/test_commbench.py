@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from occult.harness.commbench import ALLTOALL_COLUMNS, GEMM_COLUMNS, main
-from occult.sim.simulator import alltoall_curves
+from occult.sim.measured import alltoall_curves
 
 
 def test_commbench_smoke_on_two_gloo_ranks(tmp_path):

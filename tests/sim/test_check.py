@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from occult.sim.check import CHECK_COLUMNS, check, read_predictions, read_sweeps, summary
-from occult.sim.simulator import SimulateError
+from occult.sim.columns import SimulateError
 
 REPO = Path(__file__).resolve().parents[2]
 PREREGISTERED = REPO / "results/preregistered/issue8_predictions_90f63fd.csv"

@@ -35,7 +35,7 @@ rule simulate_scale:
         mem_mb=4000,
         runtime=15,
     shell:
-        "python -m occult.sim.simulator --config {params.config} --out {params.outdir} --figures {params.figures}"
+        "python -m occult.sim.run --config {params.config} --out {params.outdir} --figures {params.figures}"
         " --log-json {log.json} 2>&1 | tee {log.text}"
 
 

@@ -1,7 +1,7 @@
 """Print the rate at which decode-sized Occult expert calls stream their weights, per shape.
 
 The simulator fits the same rate itself from `simulate.kernel_stream_csv`
-(`occult.sim.simulator.fit_weight_streaming`: time = intercept + active experts' weight bytes / rate over
+(`occult.sim.measured.fit_weight_streaming`: time = intercept + active experts' weight bytes / rate over
 the `occult-compute-graph` uniform rows of at most `--max-tokens` tokens) and uses the median over
 shapes. Usage:
   python workflow/scripts/fit_weight_streaming.py results/nvidia-h200/kernels_decode_v1/small_compute_uniform_D1.csv
@@ -19,7 +19,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args()
 
-    from occult.sim.simulator import fit_weight_streaming
+    from occult.sim.measured import fit_weight_streaming
 
     fits = fit_weight_streaming(args.csv, args.max_tokens, field=args.csv)
     for fit in fits:

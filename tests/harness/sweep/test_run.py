@@ -223,7 +223,8 @@ def test_host_profile_writes_one_python_profile_per_row(tmp_path):
 
 
 def test_stream_timing_rows_say_so_and_the_simulator_skips_them(tmp_path):
-    from occult.sim.simulator import SimulateError, read_measured
+    from occult.sim.columns import SimulateError
+    from occult.sim.measured import read_measured
 
     out = tmp_path / "stream.csv"
 
