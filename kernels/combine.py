@@ -48,7 +48,7 @@ def next_pow2(n: int) -> int:
 def direct_call_ok(*grad_inputs: torch.Tensor) -> bool:
     """Whether a differentiable op of this package may call its implementation directly instead of
     through its torch custom op: `plain_eager`, and no autograd graph to record for `grad_inputs`.
-    The custom op's dispatch costs 30–60 µs of host time per call on the H200 machine (docs/performance.md, v12),
+    The custom op's dispatch costs 30–60 µs of host time per call on the H200 machine (docs/notes/performance.md),
     for nothing in an eager no-grad forward or an autograd backward."""
     if not plain_eager():
         return False
@@ -70,7 +70,7 @@ def eager_function_ok() -> bool:
     """Whether a forward that records autograd may run through the op's plain `autograd.Function`
     (`eager_function`) instead of its torch custom op: `plain_eager`. The custom op is what
     torch.compile, fake tensors and vmap/grad need; in plain eager training its dispatch (the custom-op wrapper and its autograd node) costs host time per
-    call that the `autograd.Function` does not (docs/performance.md, v20)."""
+    call that the `autograd.Function` does not (docs/notes/performance.md)."""
     return EAGER_FUNCTIONS[0] and plain_eager()
 
 

@@ -2,8 +2,8 @@
 
 `kernel[grid](*args, **kwargs)` (Triton's `JITFunction.run`) binds the arguments, derives the
 specialisation key, looks the compiled kernel up, builds launch metadata for profiler hooks,
-checks the kernel's globals and launches: 32 µs of host time a launch on a lent H200 host, of
-which the launch itself is 10 and the binder 8 (docs/performance.md v20). `launch` keeps Triton's
+checks the kernel's globals and launches: 32 µs of host time a launch on an H200 host, of
+which the launch itself is 10 and the binder 8 (docs/notes/performance.md). `launch` keeps Triton's
 own binder and cache key, so the specialisation (16-byte pointer alignment, integer divisibility,
 dtypes, constexprs) is decided by Triton as before. It remembers which compiled kernel Triton's
 normal path returned for that key, and launches that kernel directly from then on. The normal path

@@ -292,5 +292,5 @@ def test_the_one_device_forward_launches_only_brim1_and_the_experts():
 
     fused, plain = count_forward(True), count_forward(False)
     # one device: no plan or pack, only BRIM_1 (2 launches against plain torch's sort) and the experts
-    assert fused["aten"] <= 4 and plain["aten"] >= 12                # docs/performance.md v11
+    assert fused["aten"] <= 4 and plain["aten"] >= 12                # docs/notes/performance.md
     assert fused["triton"] == plain["triton"] + 2
