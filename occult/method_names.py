@@ -1,10 +1,12 @@
 """Method names of the latency sweeps and the scale simulator, and the one parser of them.
 
-A name is a baseline (`megablocks`, `tutel`, `naive`, `hf`, `fsdp`, `deepspeed`) or Occult's EP
-layer with options: `occult[-nd<N>][-<option>...]`, for example `occult-nd2-graph-balanced`.
-`-nd<N>` prunes each token's routing to N devices (router-score rule); the options are those of
-`OCCULT_OPTIONS`, each at most once. `parse_method` turns a name into a `MethodSpec`; every
-reader of method names (the sweep, the simulator, the reports) goes through it.
+A name is a baseline (`megablocks`, `tutel`, `naive`, `hf`, `fsdp`, `deepspeed`), optionally with
+settings of its library, `<baseline>:<key>=<value>[,<key>=<value>...]` (the keys and values of
+`BASELINE_SETTINGS`; for example `megablocks:grouped_gemm=cutlass`, `tutel:adaptive_r=0`), or
+Occult's EP layer with options: `occult[-nd<N>][-<option>...]`, for example
+`occult-nd2-graph-balanced`. `-nd<N>` prunes each token's routing to N devices (router-score rule);
+the options are those of `OCCULT_OPTIONS`, each at most once. `parse_method` turns a name into a
+`MethodSpec`; every reader of method names (the sweep, the simulator, the reports) goes through it.
 """
 
 from __future__ import annotations
@@ -23,9 +25,25 @@ OCCULT_OPTIONS = {
     "compute": "expert compute alone: each GPU's received pairs, dispatched once outside the timing "
                "(with -graph: replayed from a CUDA graph, so no host time; the simulator's kernel curve)",
 }
+# A baseline's library settings a name may choose: key -> allowed values, the default first. Only
+# settings that keep the layer exact (no dropped token) are offered.
+BASELINE_SETTINGS = {
+    "megablocks": {
+        "grouped_gemm": ("cublas", "cutlass"),   # grouped_gemm 0.3.0 built without / with GROUPED_GEMM_CUTLASS=1
+        "mlp_impl": ("grouped", "sparse"),       # grouped GEMMs, or stk's block-sparse Triton kernels
+    },
+    "tutel": {
+        "adaptive_r": ("1", "0"),                # 0: experts computed in place, no all-to-all (D = 1 only)
+        "megablocks_size": ("0", "1", "2"),      # Tutel's block-sparse expert GEMMs (inference, D = 1)
+    },
+    "deepspeed": {
+        "use_tutel": ("0", "1"),                 # Tutel's dispatch encoder inside DeepSpeed's layer
+    },
+}
 # Which host and GPU terms of the simulator's cost model apply to a method.
 FAMILIES = ("occult", "occult-pe", "occult-static", "occult-graph", "occult-compute", "naive")
-GRAMMAR = f"occult[-nd<N>][-{'|-'.join(OCCULT_OPTIONS)}] or one of {', '.join(BASELINES)}"
+GRAMMAR = (f"occult[-nd<N>][-{'|-'.join(OCCULT_OPTIONS)}] or one of {', '.join(BASELINES)}, "
+           "optionally <baseline>:<key>=<value>[,...]")
 
 
 class MethodNameError(ValueError):
@@ -40,6 +58,11 @@ class MethodSpec:
     system: str                          # "occult" or a baseline's name
     max_devices: int | None = None       # N_d of router-score pruning (None: exact routing)
     options: frozenset[str] = frozenset()
+    settings: tuple[tuple[str, str], ...] = ()   # a baseline's library settings, every key, defaults filled
+
+    def setting(self, key: str) -> str:
+        """The value of a baseline setting (KeyError for a key the baseline does not have)."""
+        return dict(self.settings)[key]
 
     @property
     def is_occult(self) -> bool:
@@ -79,8 +102,9 @@ class MethodSpec:
 
 def parse_method(name: str) -> MethodSpec:
     """The spec of `name`; MethodNameError if it is outside the grammar (GRAMMAR)."""
-    if name in BASELINES:
-        return MethodSpec(name, name)
+    system, colon, text = name.partition(":")
+    if system in BASELINES:
+        return MethodSpec(name, system, settings=_baseline_settings(name, system, text if colon else None))
     parts = name.split("-")
     if parts[0] != "occult":
         raise MethodNameError(f"method {name!r}: expected {GRAMMAR}")
@@ -105,6 +129,29 @@ def parse_method(name: str) -> MethodSpec:
         raise MethodNameError(f"method {name!r}: -nd<N> prunes to devices of the collaboration-aware placement, "
                               "not -trivial's contiguous one")
     return MethodSpec(name, "occult", max_devices, chosen)
+
+
+def _baseline_settings(name: str, system: str, text: str | None) -> tuple[tuple[str, str], ...]:
+    """Every setting of `system` (defaults filled) with those chosen in `text` (`key=value,...`)."""
+    table = BASELINE_SETTINGS.get(system, {})
+    if text is None:
+        return tuple((key, values[0]) for key, values in table.items())
+    if not table:
+        raise MethodNameError(f"method {name!r}: {system} has no settings to choose")
+    chosen: dict[str, str] = {}
+    for item in text.split(","):
+        key, equals, value = item.partition("=")
+        if not equals or key not in table:
+            raise MethodNameError(f"method {name!r}: expected <key>=<value> with a key of {system}: "
+                                  f"{', '.join(table)}; got {item!r}")
+        if key in chosen:
+            raise MethodNameError(f"method {name!r}: setting {key} given twice")
+        if value not in table[key]:
+            raise MethodNameError(f"method {name!r}: {key}={value!r} is not one of {', '.join(table[key])}")
+        chosen[key] = value
+    if system == "megablocks" and chosen.get("mlp_impl") == "sparse" and "grouped_gemm" in chosen:
+        raise MethodNameError(f"method {name!r}: mlp_impl=sparse runs stk's kernels, no grouped_gemm to choose")
+    return tuple((key, chosen.get(key, values[0])) for key, values in table.items())
 
 
 def is_occult(name: str) -> bool:

@@ -44,3 +44,33 @@ def test_bad_names_get_one_error_naming_them(name, why):
     with pytest.raises(MethodNameError, match=why) as err:
         parse_method(name)
     assert repr(name) in str(err.value)
+
+
+@pytest.mark.parametrize("name, system, settings", [
+    ("megablocks", "megablocks", {"grouped_gemm": "cublas", "mlp_impl": "grouped"}),
+    ("megablocks:grouped_gemm=cutlass", "megablocks", {"grouped_gemm": "cutlass", "mlp_impl": "grouped"}),
+    ("megablocks:mlp_impl=sparse", "megablocks", {"grouped_gemm": "cublas", "mlp_impl": "sparse"}),
+    ("tutel:adaptive_r=0,megablocks_size=1", "tutel", {"adaptive_r": "0", "megablocks_size": "1"}),
+    ("deepspeed:use_tutel=1", "deepspeed", {"use_tutel": "1"}),
+    ("naive", "naive", {}),
+])
+def test_baseline_settings_are_filled_with_defaults(name, system, settings):
+    spec = parse_method(name)
+    assert spec.system == system and spec.name == name and not spec.is_occult
+    assert dict(spec.settings) == settings
+    assert spec.family == system and spec.mode == "naive"
+
+
+@pytest.mark.parametrize("name, why", [
+    ("naive:x=1", "naive has no settings"),
+    ("megablocks:grouped_gemm=fast", "'fast' is not one of cublas, cutlass"),
+    ("megablocks:cutlass", "expected <key>=<value>"),
+    ("tutel:capacity_factor=-1", "a key of tutel: adaptive_r, megablocks_size"),
+    ("tutel:adaptive_r=0,adaptive_r=1", "adaptive_r given twice"),
+    ("megablocks:mlp_impl=sparse,grouped_gemm=cutlass", "no grouped_gemm to choose"),
+    ("megablock:grouped_gemm=cutlass", "expected occult"),
+])
+def test_bad_baseline_settings_are_named(name, why):
+    with pytest.raises(MethodNameError, match=why) as err:
+        parse_method(name)
+    assert repr(name) in str(err.value)

@@ -9,7 +9,8 @@ routing (`ids_TK`, `weights_TK`) on every rank of an EP group of D ranks:
 A method is a small object with
 
   available()                     -> (ok, reason): can its library be imported on this machine?
-  supports(shape, world)          -> None, or why this shape / group size is out of its reach;
+  supports(shape, world, train)   -> None, or why this shape / group size (/ training) is out of its reach;
+  config                          -> the library settings it runs with, as `key=value,...` (or "");
   setup(shape, group, dtype, device, weights)    takes its shard of the global `ExpertWeights`;
   forward(x_TD, ids_TK, weights_TK) -> y_TD      differentiable w.r.t. x, weights, expert weights;
   expert_parameters()             -> the expert weight tensors it trains;
@@ -137,10 +138,15 @@ class Method:
 
     name = "method"
 
+    @property
+    def config(self) -> str:
+        """The library settings this instance runs with (`key=value,...`; empty: none to choose)."""
+        return ""
+
     def available(self) -> tuple[bool, str]:
         return True, ""
 
-    def supports(self, shape: MoEShape, world: int) -> str | None:
+    def supports(self, shape: MoEShape, world: int, train: bool = False) -> str | None:
         if shape.num_experts % world:
             return f"{shape.num_experts} experts are not divisible by D={world}"
         return None
@@ -179,7 +185,8 @@ METHOD_CLASSES: types.MappingProxyType[str, tuple[str, str]] = types.MappingProx
 
 
 def make_method(name: str, **options: Any) -> Method:
-    """A fresh baseline by name (importing only its module; its library is imported in setup)."""
+    """A fresh baseline by name (importing only its module; its library is imported in setup);
+    `options` are its settings (`occult.method_names.BASELINE_SETTINGS`)."""
     if name not in METHOD_CLASSES:
         raise ValueError(f"method: {name!r} is not one of {sorted(METHOD_CLASSES)}")
     module_name, class_name = METHOD_CLASSES[name]

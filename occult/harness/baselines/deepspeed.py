@@ -14,6 +14,12 @@ gating functions, capacity, dispatch slots, all-to-all, expert loop and combine 
 output is multiplied by sum(weights) per token, which restores sum_j weights[t, j] * expert_j(x[t])
 exactly (OLMoE's gates are not renormalised). Costs added to DeepSpeed's time: building the [T, E]
 logits (its own gate runs a [T, D] x [D, E] GEMM) and one [T, D] scale.
+
+Settings (`occult.method_names.BASELINE_SETTINGS`): `use_tutel=1` has DeepSpeed encode the dispatch
+with Tutel's fast dispatcher (DeepSpeed's `use_tutel` option; needs Tutel importable, which
+`available` checks, since DeepSpeed itself falls back silently). Its capacity settings do not apply:
+with `drop_tokens=False` the capacity is the largest expert load whatever `capacity_factor` says,
+and `drop_tokens=True` would drop tokens.
 """
 
 from __future__ import annotations
@@ -76,6 +82,22 @@ class DeepSpeedMoE(GivenRoutingMethod):
     modules = ("deepspeed", "deepspeed.moe.layer")
     distribution = "deepspeed"
 
+    def __init__(self, use_tutel: str | int = 0) -> None:
+        self.use_tutel = bool(int(use_tutel))
+
+    @property
+    def config(self) -> str:
+        return "drop_tokens=False,use_tutel=True" if self.use_tutel else "drop_tokens=False"
+
+    def available(self) -> tuple[bool, str]:
+        ok, reason = super().available()
+        if ok and self.use_tutel:
+            from deepspeed.moe import sharded_moe
+
+            if not sharded_moe.TUTEL_INSTALLED:
+                return False, "deepspeed use_tutel=1 needs tutel, which DeepSpeed could not import"
+        return ok, reason
+
     def setup(self, shape: MoEShape, group: dist.ProcessGroup | None, dtype: torch.dtype,
               device: torch.device, weights: ExpertWeights) -> None:
         import deepspeed.comm
@@ -87,8 +109,10 @@ class DeepSpeedMoE(GivenRoutingMethod):
         self.group, self.world, self.rank, self.num_experts = group, world, rank, shape.num_experts
         layer = MoE(shape.hidden, SwiGLUExpert(shape.hidden, shape.ffn), num_experts=shape.num_experts,
                     ep_size=world, k=shape.top_k, min_capacity=0, noisy_gate_policy=None, drop_tokens=False,
-                    use_rts=False, top2_2nd_expert_sampling=False)
+                    use_rts=False, use_tutel=self.use_tutel, top2_2nd_expert_sampling=False)
         moe = layer.deepspeed_moe
+        if moe.use_tutel != self.use_tutel:
+            raise RuntimeError(f"deepspeed: asked for use_tutel={self.use_tutel}, its layer runs use_tutel={moe.use_tutel}")
         # one device: no group (DeepSpeed's own check of a group's size needs deepspeed.comm set up)
         moe._set_ep_group(None if world == 1 else (group if group is not None else dist.group.WORLD))
         w_gate_up, w_down = weights.local(contiguous_experts(shape.num_experts, world, rank), dtype, device)

@@ -63,7 +63,7 @@ class HFExperts(Method):
             return False, import_error_text(err)
         return True, ""
 
-    def supports(self, shape: MoEShape, world: int) -> str | None:
+    def supports(self, shape: MoEShape, world: int, train: bool = False) -> str | None:
         if world != 1:
             return f"the HF experts module runs on one device (D=1), not D={world}"
         return None

@@ -169,7 +169,7 @@ class FSDPMoE(Method):
             return False, import_error_text(err)
         return True, ""
 
-    def supports(self, shape: MoEShape, world: int) -> str | None:
+    def supports(self, shape: MoEShape, world: int, train: bool = False) -> str | None:
         return None   # FSDP pads uneven shards
 
     def setup(self, shape: MoEShape, group: dist.ProcessGroup | None, dtype: torch.dtype,

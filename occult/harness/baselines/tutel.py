@@ -14,6 +14,14 @@ sum_j weights[t, j] * expert_j(x[t]) exactly, for weights that do or do not sum 
 added to Tutel's time: building the [T, E] logits (where its own gate would run a [T, D]x[D, E]
 GEMM) and one [T, D] scale. Everything else (its gshard aux loss, fast encode/decode kernels,
 all-to-all, expert GEMMs) is Tutel's own.
+
+Settings (`occult.method_names.BASELINE_SETTINGS`), Tutel's documented per-call switches:
+`adaptive_r=0` computes the experts in place without the all-to-all (its data-parallel degree; at
+D = 1 every expert is local, so the layer is unchanged) and `megablocks_size=N` (N > 0) runs the
+expert GEMMs on Tutel's block-sparse kernels with blocks of N rows (inference only, one device:
+Tutel itself ignores it under autograd or at D > 1, which `supports` reports). The capacity stays
+`capacity_factor=0` in every setting: a negative factor caps the capacity (tokens beyond the cap
+are dropped) and a positive one fixes it, both inexact.
 """
 
 from __future__ import annotations
@@ -57,6 +65,39 @@ class TutelMoE(GivenRoutingMethod):
     name = "tutel"
     modules = ("tutel", "tutel.moe")
     distribution = "tutel"
+
+    def __init__(self, adaptive_r: str | int = 1, megablocks_size: str | int = 0) -> None:
+        self.adaptive_r, self.megablocks_size = int(adaptive_r), int(megablocks_size)
+        if self.adaptive_r not in (0, 1) or self.megablocks_size < 0:
+            raise ValueError(f"tutel: adaptive_r must be 0 or 1 and megablocks_size >= 0, got "
+                             f"{self.adaptive_r}, {self.megablocks_size}")
+
+    @property
+    def config(self) -> str:
+        parts = ["capacity_factor=0"]
+        if self.adaptive_r != 1:
+            parts.append(f"adaptive_r={self.adaptive_r}")
+        if self.megablocks_size:
+            parts.append(f"megablocks_size={self.megablocks_size}")
+        return ",".join(parts)
+
+    def supports(self, shape: MoEShape, world: int, train: bool = False) -> str | None:
+        why = super().supports(shape, world)
+        if why:
+            return why
+        if self.adaptive_r == 0 and world > 1:
+            return f"adaptive_r=0 keeps every expert on every device: D=1 only, not D={world}"
+        if self.megablocks_size and (world > 1 or train):
+            return "megablocks_size applies to inference on one device (Tutel ignores it under autograd or D > 1)"
+        return None
+
+    def run_layer(self, x_TD: torch.Tensor) -> torch.Tensor:
+        switches = {}
+        if self.adaptive_r != 1:
+            switches["adaptive_r"] = self.adaptive_r
+        if self.megablocks_size:
+            switches["megablocks_size"] = self.megablocks_size
+        return self.layer(x_TD, **switches)
 
     def setup(self, shape: MoEShape, group: dist.ProcessGroup | None, dtype: torch.dtype,
               device: torch.device, weights: ExpertWeights) -> None:

@@ -49,11 +49,14 @@ def reference_outputs(inputs: InputSet, nd: int | None, weights: ExpertWeights, 
 
 def relative_error(method: Method, inputs: InputSet, nd: int | None, reference: tuple[torch.Tensor, torch.Tensor | None],
                    world: int) -> float:
-    """max |y - ref| / max |ref| over ranks (and the same for dL/dx when the reference has it)."""
+    """max |y - ref| / max |ref| over ranks (and the same for dL/dx when the reference has it). The
+    forward runs in the grad mode the timed steps use: recording autograd only when the reference
+    has dL/dx (a library may take another path under autograd)."""
     ids, gate = inputs.routes[nd]
     want_y, want_gx = reference
     x = inputs.x_TD.detach().requires_grad_(want_gx is not None)
-    y = method.forward(x, ids, gate)
+    with torch.set_grad_enabled(want_gx is not None):
+        y = method.forward(x, ids, gate)
     stats = [(y.detach().float() - want_y).abs().max(), want_y.abs().max()]
     if want_gx is not None:
         y.backward(inputs.dy_TD)

@@ -70,13 +70,18 @@ class UniformRouter:
         return torch.randn(tokens, self.num_experts, generator=gen).topk(top_k, dim=-1).indices
 
 
+class TraceShapeError(SweepError):
+    """A routing trace cannot be widened to a layer shape (its rows then say so)."""
+
+
 @dataclass(frozen=True)
 class TraceRouter:
     """Routing replayed from a measured trace (`occult.routing.profiling`'s routing_*.npz of our model),
     widened to the shape: each of the trace's E_t experts becomes E/E_t sub-experts and each of a
     token's k_t experts k/k_t of its sub-experts (drawn per token with a fixed seed), so the
     co-activation between the trace's experts is kept. Tokens of all layers are pooled. The
-    calibration file (routing_calibration.npz beside it, if present) places; the given file times.
+    calibration trace beside the given file (its name with `heldout` replaced by `calibration`, else
+    routing_calibration.npz; the given file itself if neither exists) places; the given file times.
     Logits put 8 on the token's chosen ids (plus N(0, 0.1) noise) and N(0, 1) elsewhere, so top-k
     returns the trace and router-score pruning sees a ranking."""
 
@@ -89,7 +94,9 @@ class TraceRouter:
         import numpy as np
 
         path = Path(path)
-        calibration = path.with_name("routing_calibration.npz")
+        calibration = path.with_name(path.name.replace("heldout", "calibration"))
+        if "heldout" not in path.name or not calibration.is_file():
+            calibration = path.with_name("routing_calibration.npz")
 
         def widened(file: Path) -> torch.Tensor:
             with np.load(file, allow_pickle=False) as npz:
@@ -101,7 +108,7 @@ class TraceRouter:
             split, reach = shape.num_experts // trace_experts, shape.top_k // ids.shape[1]
             trace_experts = shape.num_experts // split if split else trace_experts
             if split * trace_experts != shape.num_experts or reach * ids.shape[1] != shape.top_k or reach > split:
-                raise SweepError(
+                raise TraceShapeError(
                     f"trace: {file} (top-{ids.shape[1]} of ≤{trace_experts} experts) cannot be widened to "
                     f"{shape.name} (E={shape.num_experts}, k={shape.top_k})")
             gen = torch.Generator().manual_seed(derive_seed(seed, "trace", file.name))
@@ -124,11 +131,11 @@ class TraceRouter:
         return self.calibration_NK[:tokens]
 
 
-def make_router(settings: "SweepSettings", shape: MoEShape):
-    """The router of `settings.routing` for `shape` (module docstring)."""
-    if settings.routing == "uniform":
+def make_router(settings: SweepSettings, shape: MoEShape, routing: str):
+    """The router of `routing` (one of `settings.routings`) for `shape` (module docstring)."""
+    if routing == "uniform":
         return UniformRouter(shape.num_experts)
-    if settings.routing == "trace":
+    if routing == "trace":
         return TraceRouter.load(settings.trace, shape, settings.seed)
     return SyntheticRouter.make(shape, settings.seed)
 

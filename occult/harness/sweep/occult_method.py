@@ -208,14 +208,15 @@ class _ComputeOnly(_WithExpertWeights):
         return expert_compute(held, self.w_gate_up, self.w_down, self.method.ops)
 
 
-
 def occult_options(name: str) -> frozenset[str]:
     """The `-option`s of a method name (empty for baselines)."""
     return parse_method(name).options
 
 
 def build_method(name: str, placement: torch.Tensor | None, backend: str) -> Method:
-    if parse_method(name).is_occult:
+    """The method `name` (an Occult variant on `placement`, or a baseline with its settings)."""
+    spec = parse_method(name)
+    if spec.is_occult:
         options = occult_options(name)
         if "trivial" in options and placement is not None:
             from occult.ep.plan import contiguous_placement
@@ -224,14 +225,15 @@ def build_method(name: str, placement: torch.Tensor | None, backend: str) -> Met
         method = OccultEP(placement, backend, options)
         method.name = name
         return method
-    return make_method(name)
+    return make_method(spec.system, **dict(spec.settings))
 
 
-def method_skip_reason(name: str, method: Method, shape: MoEShape, world: int) -> str | None:
+def method_skip_reason(name: str, method: Method, shape: MoEShape, world: int, train: bool = False) -> str | None:
+    """Why `method` does not run at this shape and D ("unavailable: ..." / "unsupported: ..."), or None."""
     ok, reason = method.available()
     if not ok:
         return f"unavailable: {reason}"
-    why = method.supports(shape, world)
+    why = method.supports(shape, world, train)
     if why:
         return f"unsupported: {why}"
     nd = routing_key(name)

@@ -1,39 +1,29 @@
-"""Running a sweep: provenance of the rows, the loop over shapes, methods and sizes, one point's
-measurement, the printed table and the command line (`python -m occult.harness.sweep`)."""
+"""Running a sweep: provenance of the rows, the loop over routings and shapes (their points:
+`occult.harness.sweep.points`), the printed table and the command line
+(`python -m occult.harness.sweep`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import platform
 import re
-import statistics
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 
 import occult.harness.sweep as package
-from occult.harness.baselines import METHOD_CLASSES, ExpertWeights, Method, MoEShape, get_shape, world_and_rank
-from occult.harness.sweep.check import agree, error_text, reference_outputs, relative_error
-from occult.harness.sweep.inputs import (
-    InputSet, SharedExpert, derive_seed, make_inputs, make_router, occult_placement, routing_key,
-)
-from occult.harness.sweep.occult_method import OccultEP, build_method, method_skip_reason, occult_options
+from occult.harness.baselines import get_shape, world_and_rank
+from occult.harness.sweep.points import sweep_shape
 from occult.harness.sweep.settings import (
-    COLUMNS, DEFAULT_METHODS, DEFAULT_SIZES, DTYPES, KINDS, REL_TOLERANCE, ROUTINGS, STREAM_BLOCKS, TIMINGS,
-    VERSION_PACKAGES,
+    COLUMNS, DEFAULT_METHODS, DEFAULT_SIZES, DTYPES, KINDS, ROUTINGS, STREAM_BLOCKS, TIMINGS, VERSION_PACKAGES,
     SweepError, SweepSettings,
 )
-from occult.harness.sweep.timing import (
-    phase_medians, profile_host, quantile, synchronize, time_steps, time_stream, train_step,
-)
-from occult.method_names import parse_method
+from occult.method_names import GRAMMAR
 
 
 def package_version(name: str) -> str:
@@ -79,7 +69,7 @@ def run_sweep(
     `tokens_list` are the sizes of the kind: tokens per GPU (prefill), batch = tokens per GPU
     (decode), batch of `seq_len`-token sequences (train). `options` are the other fields of
     `SweepSettings` (device, dtype, seed, seq_len, input_sets, check_tokens, occult_backend,
-    include_shared, command). Rank 0 writes `out_csv` (+ `.meta.json`) and prints a table;
+    include_shared, command, routings, trace, timing, grouped_gemm_dir). Rank 0 writes `out_csv` (+ `.meta.json`) and prints a table;
     every rank returns the rows.
     """
     settings = SweepSettings(kind=kind, shapes=tuple(shapes), methods=tuple(methods), world=D,
@@ -108,6 +98,10 @@ def _sweep(settings: SweepSettings) -> list[dict[str, Any]]:
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
     seed_everything(settings.seed)
+    if settings.grouped_gemm_dir and settings.grouped_gemm_mode():
+        from occult.harness.baselines.megablocks import use_grouped_gemm_build
+
+        use_grouped_gemm_build(settings.grouped_gemm_dir, settings.grouped_gemm_mode())   # before the versions
 
     machine = machine_name(device, world)
     fixed = {
@@ -119,7 +113,8 @@ def _sweep(settings: SweepSettings) -> list[dict[str, Any]]:
     }
     meta = provenance(config_hash(dataclasses.asdict(settings)), settings.seed, stage="sweep",
                       settings=dataclasses.asdict(settings), occult_backend=backend, machine=machine,
-                      note="one row per (shape, method, size); times are per-step max over ranks")
+                      note="one row per (routing, shape, method, size), the methods of a point in the order "
+                           "order_seed gives; times are per-step max over ranks")
     rows: list[dict[str, Any]] = []
 
     def emit(row: dict[str, Any]) -> None:
@@ -131,158 +126,15 @@ def _sweep(settings: SweepSettings) -> list[dict[str, Any]]:
 
             write_csv(settings.out_csv, pd.DataFrame(rows, columns=list(COLUMNS)), meta=meta)
 
-    total = len(settings.shapes) * len(settings.methods) * len(settings.sizes)
+    total = len(settings.routings) * len(settings.shapes) * len(settings.methods) * len(settings.sizes)
     bar = progress(total, desc=f"sweep {settings.kind} D={world}", unit="point", disable=rank != 0, every_s=0)
-    for shape_name in settings.shapes:
-        shape = get_shape(shape_name)
-        _sweep_shape(settings, shape, device, dtype, backend, fixed, emit, bar)
+    for routing in settings.routings:
+        for shape_name in settings.shapes:
+            sweep_shape(settings, get_shape(shape_name), routing, device, dtype, backend, fixed, emit, bar)
     bar.close()
     if rank == 0:
         print_table(rows)
     return rows
-
-
-def _sweep_shape(settings: SweepSettings, shape: MoEShape, device: torch.device, dtype: torch.dtype,
-                 backend: str, fixed: dict[str, Any], emit: Callable[[dict[str, Any]], None], bar) -> None:
-    world, rank = world_and_rank(None)
-    train = settings.kind == "train"
-    weights = ExpertWeights.random(shape, derive_seed(settings.seed, "experts", shape.name), device, dtype)
-    weights = ExpertWeights(weights.w_gate_up_E2FD.cpu(), weights.w_down_EDF.cpu())
-    shared = (SharedExpert(shape, settings.seed, device, dtype)
-              if settings.include_shared and shape.shared_ffn else None)
-    router = make_router(settings, shape)
-    wants_occult = any(parse_method(m).is_occult for m in settings.methods)
-    placement = (occult_placement(shape, router, world, settings.seed)
-                 if wants_occult and shape.num_experts % world == 0 else None)
-    shape_fields = {"shape": shape.name, "num_experts": shape.num_experts, "top_k": shape.top_k,
-                    "hidden": shape.hidden, "ffn": shape.ffn,
-                    "shared_ffn": shape.shared_ffn if shared is not None else 0}
-
-    balanced = (occult_placement(shape, router, world, settings.seed, balanced=True)
-                if placement is not None and any("balanced" in occult_options(m) for m in settings.methods) else None)
-    methods = {name: build_method(name, balanced if "balanced" in occult_options(name) else placement, backend)
-               for name in settings.methods}
-    skip = {name: method_skip_reason(name, m, shape, world) for name, m in methods.items()}
-    routes = sorted({routing_key(n) for n in settings.methods if skip[n] is None} - {None})
-    check = make_inputs(shape, router, settings.check_tokens,
-                        derive_seed(settings.seed, "check", shape.name, rank), device, dtype,
-                        routes, placement, with_grad_output=train)
-    references = {nd: reference_outputs(check, nd, weights, device, with_grad=train)
-                  for nd in (None, *routes)}
-    tolerance = REL_TOLERANCE[settings.dtype]
-
-    for name, method in methods.items():
-        base = {**fixed, **shape_fields, "method": name, "routing": settings.routing}
-        status = skip[name]
-        max_rel_err = None
-        if status is None:
-            error = None
-            try:
-                method.setup(shape, None, dtype, device, weights)
-            except Exception as err:  # noqa: BLE001 - recorded in the row and on stderr
-                error = error_text(err)
-            error = agree(error, world)
-            if error:
-                status = f"error: setup: {error}"
-        if status is None and getattr(method, "checks_output", True):
-            error = None
-            try:
-                max_rel_err = relative_error(method, check, routing_key(name), references[routing_key(name)], world)
-            except Exception as err:  # noqa: BLE001
-                error = error_text(err)
-            error = agree(error, world)
-            if error:
-                status = f"error: check: {error}"
-            elif not max_rel_err <= tolerance:
-                status = f"failed: max_rel_err {max_rel_err:.3g} > {tolerance:g}"
-        for size in settings.sizes:
-            row = {**base, "tokens_per_gpu": settings.tokens_per_gpu(size), "batch": settings.batch(size),
-                   "max_rel_err": max_rel_err}
-            if status is None:
-                row.update(_measure(settings, shape, name, method, shared, router, placement, size,
-                                    device, dtype, world, rank))
-            else:
-                row["status"] = status
-            emit(row)
-            bar.log(shape=shape.name, method=name, size=size, status=row.get("status"),
-                    median_ms=row.get("median_ms"))
-            bar.update(1)
-        method.teardown()
-        # Free the method before the next is measured: its leftovers would count in the next peak memory.
-        # The collection also frees make_graphed_callables' graphs, which sit in reference cycles; NCCL
-        # keeps communicators alive while a graph that captured them exists, so the process group's
-        # teardown waited on them until killed (results/nvidia-h200-x2/ep_v6, train kind with occult-graph).
-        methods[name] = None
-        del method
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-def _measure(settings: SweepSettings, shape: MoEShape, name: str, method: Method, shared: SharedExpert | None,
-             router: Any, placement: torch.Tensor | None, size: int, device: torch.device,
-             dtype: torch.dtype, world: int, rank: int) -> dict[str, Any]:
-    """Time one method at one size; returns the measured columns and the status."""
-    train = settings.kind == "train"
-    tokens = settings.tokens_per_gpu(size)
-    nd = routing_key(name)
-    out: dict[str, Any] = {}
-    error = None
-    sets: list[InputSet] = []
-    try:
-        sets = [make_inputs(shape, router, tokens,
-                            derive_seed(settings.seed, settings.kind, shape.name, tokens, index, rank),
-                            device, dtype, [nd], placement, with_grad_output=train)
-                for index in range(settings.input_sets)]
-        first_ids, first_weights = sets[0].routes[nd]
-        if isinstance(method, OccultEP):
-            out["bytes_sent"], out["mean_devices_per_token"], out["pairs_received_max"] = method.traffic(
-                first_ids, sets[0].x_TD, first_weights)
-            phases = device.type == "cuda" and not train and not (method.graphed or method.compute_only)
-            method.phase_events = [] if phases else None
-        else:
-            out["bytes_sent"] = method.bytes_sent(first_ids)
-        params = method.expert_parameters() + (list(shared.parameters()) if shared is not None else [])
-
-        def step(i: int) -> None:
-            inputs = sets[i % len(sets)]
-            ids, gate = inputs.routes[nd]
-            if train:
-                train_step(method, inputs.x_TD, ids, gate, shared, inputs.dy_TD, params)
-            else:
-                with torch.no_grad():
-                    y = method.forward(inputs.x_TD, ids, gate)
-                    if shared is not None:
-                        y = y + shared(inputs.x_TD)
-
-        if device.type == "cuda":
-            synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        host_times: list[float] = []
-        host_probes: list[tuple[float, float]] = []
-        timer = time_stream if settings.timing == "stream" else time_steps
-        times = timer(step, settings.repeats, settings.warmup, device, world, host_times, host_probes)
-        if settings.host_profile:
-            profile_host(step, settings.repeats, device, world, rank, Path(settings.host_profile)
-                         / f"host_{settings.kind}_{shape.name}_{name}_{size}.txt")
-        out.update(median_ms=statistics.median(times), p10_ms=quantile(times, 0.1), p90_ms=quantile(times, 0.9),
-                   host_ms=statistics.median(host_times),
-                   host_probe_us=statistics.median(p for p, _ in host_probes),
-                   host_launch_us=statistics.median(q for _, q in host_probes))
-        if isinstance(method, OccultEP) and method.phase_events:
-            out.update(phase_medians(method.phase_events[settings.warmup:], device, world))
-        if device.type == "cuda":
-            peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30], device=device)
-            if world > 1:
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-            out["peak_mem_gib"] = float(peak)
-    except Exception as err:  # noqa: BLE001 - recorded in the row and on stderr
-        error = error_text(err)
-    finally:
-        del sets
-    error = agree(error, world)
-    out["status"] = f"error: {error}" if error else "ok"
-    return out
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -295,12 +147,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     size_col = "tokens_per_gpu" if frame["batch"].isna().all() else "batch"
     ok = frame[frame["status"] == "ok"]
     if not ok.empty:
-        table = ok.pivot_table(index=["shape", "method"], columns=size_col, values="median_ms", aggfunc="first")
+        table = ok.pivot_table(index=["routing", "shape", "method"], columns=size_col, values="median_ms",
+                               aggfunc="first")
         print(f"\nmedian ms per step ({frame['kind'].iloc[0]}, D={frame['D'].iloc[0]}, columns = {size_col}):")
         print(table.to_string(float_format=lambda v: f"{v:.3f}"))
-    others = frame[frame["status"] != "ok"].drop_duplicates(["shape", "method", "status"])
+    others = frame[frame["status"] != "ok"].drop_duplicates(["routing", "shape", "method", "status"])
     for _, row in others.iterrows():
-        print(f"{row['shape']:>12} {row['method']:<12} {row['status']}")
+        print(f"{row['routing']:>9} {row['shape']:>12} {row['method']:<12} {row['status']}")
     sys.stdout.flush()
 
 
@@ -313,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kind", choices=KINDS, default="prefill")
     parser.add_argument("--shapes", nargs="+", default=["olmoe", "qwen", "deepseek"])
     parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),
-                        help="occult, occult-nd<N>, or baselines: " + ", ".join(METHOD_CLASSES))
+                        help=f"method names ({GRAMMAR})")
     parser.add_argument("--D", type=int, default=None, help="EP group size (default: torchrun's world size, else 1)")
     parser.add_argument("--sizes", type=int, nargs="+", default=None,
                         help="tokens per GPU (prefill) or batch (decode, train); default per kind")
@@ -329,9 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--occult-backend", choices=("auto", "torch", "triton"), default="auto")
     parser.add_argument("--no-shared", action="store_true", help="leave out the shapes' shared experts")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="collective timeout")
-    parser.add_argument("--routing", choices=ROUTINGS, default="synthetic",
-                        help="synthetic low-rank router, uniform, or a measured trace (--trace)")
-    parser.add_argument("--trace", default="", help="routing_*.npz of occult.routing.profiling (routing=trace)")
+    parser.add_argument("--routings", nargs="+", choices=ROUTINGS, default=["synthetic"],
+                        help="synthetic low-rank router, uniform, and/or a measured trace (--trace), one after another")
+    parser.add_argument("--trace", default="", help="routing_*.npz of occult.routing.profiling (routing trace)")
+    parser.add_argument("--grouped-gemm-dir", default="", metavar="DIR",
+                        help="folder of the grouped_gemm builds gg-cublas/ and gg-cutlass/ "
+                             "(tools/build_baselines.sh); the one MegaBlocks' methods ask for goes first on "
+                             "sys.path (default: grouped_gemm as installed)")
     parser.add_argument("--timing", choices=TIMINGS, default="step",
                         help="step: the GPU drained before each timed step (default); stream: "
                              f"{STREAM_BLOCKS} blocks of --repeats steps issued back to back, ms per step")
@@ -364,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.repeats, warmup=args.warmup, device=args.device, dtype=args.dtype, seed=args.seed,
         seq_len=args.seq_len, input_sets=args.input_sets, check_tokens=args.check_tokens,
         occult_backend=args.occult_backend, include_shared=not args.no_shared, command=command,
-        routing=args.routing, trace=args.trace, host_profile=args.host_profile, timing=args.timing,
+        routings=tuple(args.routings), trace=args.trace, host_profile=args.host_profile, timing=args.timing,
+        grouped_gemm_dir=args.grouped_gemm_dir,
     )
     settings.validate()
     run_in_group(lambda: _sweep(settings), args.device, world, args.timeout_s, error=SweepError)

@@ -18,6 +18,15 @@ DEFAULT_SIZES = {
     "train": (1, 2, 4, 8, 16),
 }
 DEFAULT_METHODS = ("occult", "occult-nd2", "occult-nd1", "megablocks", "tutel", "naive", "hf", "fsdp", "deepspeed")
+# The fair comparison (`python -m occult.harness.sweep.parts`): every Occult variant, and every exact
+# setting of each baseline (docs/baselines.md), the processes split as `parts.process_key` says.
+FAIR_METHODS = (
+    "occult", "occult-balanced", "occult-graph", "occult-graph-balanced", "occult-nd2", "occult-nd1",
+    "naive", "hf", "fsdp",
+    "megablocks", "megablocks:grouped_gemm=cutlass", "megablocks:mlp_impl=sparse",
+    "tutel", "tutel:adaptive_r=0", "tutel:megablocks_size=1",
+    "deepspeed", "deepspeed:use_tutel=1",
+)
 ROUTINGS = ("synthetic", "uniform", "trace")
 # step: the GPU drained before each timed step (one layer call from an idle GPU, host time before
 # its first kernel included); stream: blocks of steps issued back to back, as consecutive layers of a
@@ -30,7 +39,7 @@ VERSION_PACKAGES = ("torch", "triton", "transformers", "megablocks", "grouped_ge
 COLUMNS = (
     "machine", "commit", "command", "kind", "shape", "method", "D", "tokens_per_gpu", "batch", "seq_len",
     "dtype", "median_ms", "p10_ms", "p90_ms", "peak_mem_gib", "bytes_sent", "mean_devices_per_token",
-    "max_rel_err", "status", "routing", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms", "host_ms",
+    "max_rel_err", "status", "routing", "baseline_config", "order_seed", "order_position", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms", "host_ms",
     "host_probe_us", "host_launch_us", "repeats", "warmup", "timer", "timing", "num_experts", "top_k", "hidden", "ffn",
     "shared_ffn", *(f"version_{name.replace('-', '_')}" for name in VERSION_PACKAGES),
 )
@@ -61,10 +70,11 @@ class SweepSettings:
     occult_backend: str = "auto"
     include_shared: bool = True
     command: str = ""
-    routing: str = "synthetic"
+    routings: tuple[str, ...] = ("synthetic",)
     trace: str = ""
     host_profile: str = ""
     timing: str = "step"
+    grouped_gemm_dir: str = ""       # holds gg-cublas/ and gg-cutlass/ (tools/build_baselines.sh); "": as installed
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -74,13 +84,7 @@ class SweepSettings:
                 get_shape(name)
             except ValueError as err:
                 raise SweepError(f"shapes: {err}") from None
-        for name in self.methods:
-            try:
-                spec = parse_method(name)
-            except MethodNameError as err:
-                raise SweepError(f"methods: {err}") from None
-            if not spec.is_occult and name not in METHOD_CLASSES:
-                raise SweepError(f"methods: {name!r} has no adapter; expected one of {sorted(METHOD_CLASSES)}")
+        self._validate_methods()
         if self.world < 1:
             raise SweepError(f"D: must be at least 1, got {self.world}")
         if not self.sizes or min(self.sizes) < 1:
@@ -88,12 +92,17 @@ class SweepSettings:
         for field in ("repeats", "input_sets", "check_tokens", "seq_len"):
             if getattr(self, field) < 1:
                 raise SweepError(f"{field}: must be at least 1, got {getattr(self, field)}")
-        if self.routing not in ROUTINGS:
-            raise SweepError(f"routing: {self.routing!r} is not one of {ROUTINGS}")
+        unknown = [r for r in self.routings if r not in ROUTINGS]
+        if not self.routings or unknown or len(set(self.routings)) < len(self.routings):
+            raise SweepError(f"routings: need distinct ones of {ROUTINGS}, got {self.routings}")
         if self.timing not in TIMINGS:
             raise SweepError(f"timing: {self.timing!r} is not one of {TIMINGS}")
-        if self.routing == "trace" and not Path(self.trace).is_file():
-            raise SweepError(f"trace: routing=trace needs a routing_*.npz file, got {self.trace!r}")
+        if "trace" in self.routings and not Path(self.trace).is_file():
+            raise SweepError(f"trace: routing trace needs a routing_*.npz file, got {self.trace!r}")
+        mode = self.grouped_gemm_mode()
+        if self.grouped_gemm_dir and mode and not (Path(self.grouped_gemm_dir) / f"gg-{mode}" / "grouped_gemm").is_dir():
+            raise SweepError(f"grouped_gemm_dir: {self.grouped_gemm_dir} has no gg-{mode}/grouped_gemm "
+                             "(tools/build_baselines.sh installs both builds there)")
         if self.warmup < 0:
             raise SweepError(f"warmup: must be >= 0, got {self.warmup}")
         if self.dtype not in DTYPES:
@@ -103,8 +112,39 @@ class SweepSettings:
         if self.occult_backend not in ("auto", "torch", "triton"):
             raise SweepError(f"occult_backend: {self.occult_backend!r} is not auto, torch or triton")
 
+    def _validate_methods(self) -> None:
+        if not self.methods:
+            raise SweepError("methods: none given")
+        seen: dict[tuple, str] = {}
+        for name in self.methods:
+            try:
+                spec = parse_method(name)
+            except MethodNameError as err:
+                raise SweepError(f"methods: {err}") from None
+            if not spec.is_occult and spec.system not in METHOD_CLASSES:
+                raise SweepError(f"methods: {name!r} has no adapter; expected one of {sorted(METHOD_CLASSES)}")
+            meaning = (spec.system, spec.max_devices, spec.options, spec.settings)
+            if meaning in seen:
+                raise SweepError(f"methods: {seen[meaning]!r} and {name!r} are the same method")
+            seen[meaning] = name
+        modes = {parse_method(name).setting("grouped_gemm") for name in self.methods if _grouped_megablocks(name)}
+        if len(modes) > 1:
+            raise SweepError("methods: MegaBlocks with grouped_gemm=cublas and with grouped_gemm=cutlass need a "
+                             "process each (one grouped_gemm build per process; "
+                             "python -m occult.harness.sweep.parts runs them apart)")
+
+    def grouped_gemm_mode(self) -> str:
+        """The grouped_gemm build this process's MegaBlocks methods use ("" if none uses one)."""
+        modes = {parse_method(name).setting("grouped_gemm") for name in self.methods if _grouped_megablocks(name)}
+        return modes.pop() if len(modes) == 1 else ""
+
     def tokens_per_gpu(self, size: int) -> int:
         return size * self.seq_len if self.kind == "train" else size
 
     def batch(self, size: int) -> int | None:
         return None if self.kind == "prefill" else size
+
+
+def _grouped_megablocks(name: str) -> bool:
+    spec = parse_method(name)
+    return spec.system == "megablocks" and spec.setting("mlp_impl") == "grouped"

@@ -86,3 +86,16 @@ def test_balanced_placement_bounds_the_busiest_device_where_greedy_does_not(shap
     _, contiguous_spread = imbalance_and_spread(contiguous)
     assert greedy_load > 1.5 and balanced_load <= 1 + method_names.BALANCE_EPS + 0.05
     assert greedy_spread <= balanced_spread < contiguous_spread
+
+
+def test_trace_router_places_on_the_calibration_trace_beside_the_timed_one(tmp_path):
+    """routing_heldout_sample.npz times, routing_calibration_sample.npz beside it places (the names
+    profiling's sample files have); without a calibration file the timed trace places too."""
+    write_trace(tmp_path / "routing_heldout_sample.npz", 4, 1, 30, seed=5)
+    write_trace(tmp_path / "routing_calibration_sample.npz", 4, 1, 50, seed=6)
+    router = inputs.TraceRouter.load(tmp_path / "routing_heldout_sample.npz", SHAPES["tiny"], seed=0)
+    assert router.ids_NK.shape == (60, 2) and router.calibration_NK.shape == (100, 2)
+    (tmp_path / "alone").mkdir()
+    write_trace(tmp_path / "alone" / "routing_heldout.npz", 4, 1, 30, seed=5)
+    alone = inputs.TraceRouter.load(tmp_path / "alone" / "routing_heldout.npz", SHAPES["tiny"], seed=0)
+    assert torch.equal(alone.calibration_NK, alone.ids_NK)

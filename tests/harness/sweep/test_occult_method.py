@@ -23,7 +23,7 @@ def test_occult_options_and_trace_routing_run_on_two_ranks(tmp_path):
     methods = ["occult", "occult-pe", "occult-static", "occult-trivial", "occult-compute", "occult-nd1"]
     cmd = [sys.executable, "-m", "occult.harness.sweep", "--device", "cpu", "--dtype", "float32", "--D", "2",
            "--kind", "prefill", "--shapes", "tiny", "--sizes", "12", "--repeats", "2", "--warmup", "3",
-           "--routing", "trace", "--trace", str(tmp_path / "routing_heldout.npz"), "--out", str(out),
+           "--routings", "trace", "--trace", str(tmp_path / "routing_heldout.npz"), "--out", str(out),
            "--methods", *methods]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

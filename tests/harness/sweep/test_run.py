@@ -16,7 +16,7 @@ import torch
 import occult.harness.sweep.run as run
 from occult.harness.baselines import SHAPES, Method, make_method
 from occult.harness.ranks import run_ranks
-from occult.harness.sweep import inputs, settings
+from occult.harness.sweep import inputs, points, settings
 from occult.provenance import REPO_ROOT
 
 
@@ -69,6 +69,20 @@ def test_cli_smoke_writes_every_row_with_the_expected_columns(tmp_path, world):
             assert rows["status"].str.startswith("unavailable: ").all() and rows["status"].str.len().gt(15).all()
             assert rows["median_ms"].isna().all()
 
+    # The library settings each baseline ran with; none for methods that have none to choose.
+    configs = frame.groupby("method")["baseline_config"].agg(lambda c: set(c.fillna("")))
+    assert configs["megablocks"] == {"grouped_gemm=cublas"} and configs["deepspeed"] == {"drop_tokens=False"}
+    assert configs["tutel"] == {"capacity_factor=0"}
+    assert configs["occult"] == configs["naive"] == {""}
+    assert set(frame["routing"]) == {"synthetic"}
+    # Every point runs each method once, at the position its recorded seed gives.
+    for (shape, tokens), point in frame.groupby(["shape", "tokens_per_gpu"]):
+        assert point["order_seed"].nunique() == 1
+        ordered = point.sort_values("order_position")
+        assert ordered["order_position"].tolist() == list(range(len(methods)))
+        assert ordered["method"].tolist() == points.method_order(methods, int(point["order_seed"].iloc[0]))
+    assert frame.groupby(["shape", "tokens_per_gpu"])["order_seed"].first().nunique() == 4
+
     meta = json.loads(Path(str(tmp_path / f"sweep_D{world}.csv") + ".meta.json").read_text())
     assert meta["commit"] and meta["settings"]["world"] == world and meta["stage"] == "sweep"
 
@@ -101,7 +115,7 @@ class WrongOutput(Method):
 
 
 def test_a_throwing_or_wrong_method_gets_a_status_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
-    real_build = run.build_method
+    real_build = points.build_method
 
     def build(name, placement, backend):
         if name == "megablocks":
@@ -110,7 +124,7 @@ def test_a_throwing_or_wrong_method_gets_a_status_row_and_the_sweep_goes_on(tmp_
             return WrongOutput()
         return real_build(name, placement, backend)
 
-    monkeypatch.setattr(run, "build_method", build)   # inherited by the forked ranks
+    monkeypatch.setattr(points, "build_method", build)   # inherited by the forked ranks
     out = tmp_path / "broken.csv"
 
     def body(rank, world):
@@ -144,31 +158,32 @@ def test_train_kind_checks_gradients_and_times_forward_backward(tmp_path):
 
 
 def test_each_method_is_measured_after_the_previous_ones_are_freed(tmp_path, monkeypatch):
-    """`peak_mem_gib` counts what is resident: the weights of methods measured before must be gone
-    (up to sweeps_v39 every Occult variant's weights stayed alive for the rest of the shape)."""
+    """`peak_mem_gib` counts what is resident: the weights of methods measured before (at this size
+    or the one before) must be gone when the next one is timed."""
     import gc
     import weakref
 
-    real_measure = run._measure
+    real_measure = points.measure
 
-    def measure(settings, shape, name, method, *args, **kwargs):
+    def measure(shape_run, name, method, size):
         gc.collect()
-        still_alive = sorted({other for other, ref in seen if other != name and ref() is not None})
+        still_alive = sorted({other for other, ref in seen if ref() is not None})
         seen.extend((name, weakref.ref(t)) for t in method.expert_parameters())
         leaks.append((name, still_alive))
-        return real_measure(settings, shape, name, method, *args, **kwargs)
+        return real_measure(shape_run, name, method, size)
 
     seen: list = []
     leaks: list = []
-    monkeypatch.setattr(run, "_measure", measure)
+    monkeypatch.setattr(points, "measure", measure)
+    methods = ["occult", "occult-nd1", "occult-balanced", "naive", "fsdp"]
 
     def body(rank, world):
-        run.run_sweep("prefill", ["tiny"], ["occult", "occult-nd1", "occult-balanced", "naive", "fsdp"], world,
-                        [8], tmp_path / "mem.csv", repeats=1, warmup=0, device="cpu", dtype="float32")
+        run.run_sweep("prefill", ["tiny"], methods, world, [8, 12], tmp_path / "mem.csv", repeats=1, warmup=0,
+                      device="cpu", dtype="float32")
         return leaks
 
     measured = run_ranks(body, 1, timeout_s=60)[0]
-    assert [name for name, _ in measured] == ["occult", "occult-nd1", "occult-balanced", "naive", "fsdp"]
+    assert sorted(name for name, _ in measured) == sorted(methods * 2)
     assert all(not alive for _, alive in measured), measured
 
 
@@ -240,3 +255,55 @@ def test_stream_timing_rows_say_so_and_the_simulator_skips_them(tmp_path):
         read_measured([str(out)])
     with pytest.raises(settings.SweepError, match="timing: 'burst'"):
         run.run_sweep("prefill", ["tiny"], ["naive"], 1, [8], tmp_path / "x.csv", device="cpu", timing="burst")
+
+
+def test_method_order_is_seeded_per_point_and_recorded(tmp_path):
+    """The methods of a point run in the order of a seed derived from (routing, shape, size): the
+    same seed gives the same order (reruns, every rank), other points get other orders, and the rows
+    record seed and position so the order can be rebuilt."""
+    methods = ["occult", "occult-nd1", "occult-nd2", "naive", "fsdp", "megablocks", "tutel", "deepspeed"]
+    seeds = {(r, s, n): points.order_seed(0, r, s, n) for r in ("synthetic", "uniform") for s in ("olmoe", "qwen")
+             for n in (1024, 2048, 4096)}
+    assert len(set(seeds.values())) == len(seeds)
+    orders = {key: tuple(points.method_order(methods, seed)) for key, seed in seeds.items()}
+    assert len(set(orders.values())) > len(orders) // 2               # most points differ
+    assert all(sorted(order) == sorted(methods) for order in orders.values())
+    seed = seeds[("uniform", "qwen", 2048)]
+    assert points.method_order(methods, seed) == points.method_order(list(methods), seed)
+    assert points.order_seed(0, "uniform", "qwen", 2048) == seed != points.order_seed(1, "uniform", "qwen", 2048)
+
+    out = tmp_path / "order.csv"
+    names = ["occult", "occult-nd1", "naive", "fsdp"]
+    run.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "--methods", *names, "--sizes", "4", "8",
+              "16", "--repeats", "1", "--warmup", "0", "--routings", "synthetic", "uniform", "--out", str(out)])
+    frame = pd.read_csv(out)
+    ran = {}
+    for (routing, size), point in frame.groupby(["routing", "tokens_per_gpu"]):
+        seed = int(point["order_seed"].iloc[0])
+        assert seed == points.order_seed(0, routing, "tiny", size)
+        ran[(routing, size)] = point.sort_values("order_position")["method"].tolist()
+        assert ran[(routing, size)] == points.method_order(names, seed)
+    assert len(set(map(tuple, ran.values()))) > 1
+
+
+def test_every_routing_runs_in_one_invocation_and_a_trace_that_does_not_fit_says_so(tmp_path):
+    """--routings synthetic uniform trace: every method at every routing, a `routing` column on every
+    row; the trace (top-1 of 4 experts) widens to tiny (E=8, k=2) but not to tiny-shared (k=3),
+    whose trace rows are `unsupported: routing trace: ...` rather than missing."""
+    from tests.harness.sweep.test_inputs import write_trace
+
+    write_trace(tmp_path / "routing_heldout.npz", 4, 1, 40, seed=1)
+    out = tmp_path / "routings.csv"
+    names = ["occult", "naive", "deepspeed"]
+    run.main(["--device", "cpu", "--dtype", "float32", "--shapes", "tiny", "tiny-shared", "--methods", *names,
+              "--sizes", "8", "--repeats", "1", "--warmup", "0", "--routings", "synthetic", "uniform", "trace",
+              "--trace", str(tmp_path / "routing_heldout.npz"), "--out", str(out)])
+    frame = pd.read_csv(out)
+    assert len(frame) == 3 * 2 * len(names)
+    assert frame.groupby(["routing", "shape"]).size().eq(len(names)).all()
+    misfit = frame[(frame["routing"] == "trace") & (frame["shape"] == "tiny-shared")]
+    assert misfit["status"].str.startswith("unsupported: routing trace: ").all()
+    assert misfit["status"].str.contains("tiny-shared").all()
+    ran = frame.drop(misfit.index)
+    assert (ran["status"] == "ok").all(), ran[["routing", "shape", "method", "status"]]
+    assert (ran["max_rel_err"] < settings.REL_TOLERANCE["float32"]).all()
