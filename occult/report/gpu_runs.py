@@ -32,6 +32,7 @@ import pandas as pd  # noqa: E402
 
 from occult.method_names import is_occult  # noqa: E402
 from occult.provenance import atomic_path, write_csv  # noqa: E402
+from occult.sim.builtin_alltoall import BUILTIN_ALLTOALL_SOURCE, builtin_alltoall_table  # noqa: E402
 
 SIZE_COLUMN = {"prefill": "tokens_per_gpu", "decode": "batch", "train": "batch"}
 XLABEL = {"prefill": "tokens per GPU", "decode": "sequences per GPU (one token each)",
@@ -167,8 +168,8 @@ def make_gpu_report(run_dir: Path, figures_dir: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 # The EP runtime's benchmark (issue 3)
 
-# `all_to_all_single` algbw (whole buffer / time) on 2×H200 NVLink, DESIGN.md's measurement.
-NCCL_ALLTOALL_2GPU = ((2**20, 25.0), (2**24, 308.0), (2**26, 475.0), (2**28, 560.0), (2**30, 660.0))
+# `all_to_all_single` algbw (whole buffer / time) on 2×H200 NVLink: the table shipped with the simulator.
+NCCL_ALLTOALL_2GPU = builtin_alltoall_table()
 TARGETS = {"kernels_pct_peak": 0.80, "exact_over_per_expert": 1.4, "nd1_over_compute": 1.15}
 
 
@@ -200,14 +201,14 @@ def load_ep(run_dir: Path) -> tuple[pd.DataFrame, float]:
 
 def measured_alltoall_curve(run_dir: Path) -> tuple[tuple[tuple[float, float], ...], str]:
     """(curve, source): the newest `results/<machine>/comm_*/alltoall.csv` of the same machine
-    (equal splits, bf16, D=2: (bytes per rank, algbw GB/s)), else DESIGN.md's table."""
+    (equal splits, bf16, D=2: (bytes per rank, algbw GB/s)), else the shipped 2xH200 table."""
     for csv in sorted(run_dir.parent.glob("comm_*/alltoall.csv"), reverse=True):
         table = pd.read_csv(csv)
         rows = table[(table["pattern"] == "equal") & (table["dtype"] == "bfloat16") & (table["D"] == 2)]
         rows = rows.groupby("bytes_per_rank", as_index=False)["algbw_gbps"].median()
         if len(rows) >= 2:
             return tuple(zip(rows["bytes_per_rank"].astype(float), rows["algbw_gbps"].astype(float))), str(csv)
-    return NCCL_ALLTOALL_2GPU, "DESIGN.md all_to_all_single table (2xH200)"
+    return NCCL_ALLTOALL_2GPU, BUILTIN_ALLTOALL_SOURCE
 
 
 def ep_summary(frame: pd.DataFrame, peak_tflops: float,

@@ -26,20 +26,11 @@ import torch
 
 from occult.harness.baselines import MoEShape
 from occult.method_names import FAMILIES, MethodNameError, MethodSpec, parse_method
+from occult.sim.builtin_alltoall import builtin_alltoall_table
 from occult.sim.columns import SimulateError
 from occult.sim.traffic import Traffic
 
-MIB = 2**20
-
-
-# DESIGN.md, 2× H200 NV18, `all_to_all_single`: (whole buffer per rank, algbw GB/s = buffer / time).
-DESIGN_ALLTOALL_2GPU = ((1 * MIB, 25.0), (16 * MIB, 308.0), (64 * MIB, 475.0), (256 * MIB, 560.0),
-                        (1024 * MIB, 660.0))
-
-
 EAGER_FAMILIES = ("occult", "occult-pe", "occult-static", "naive")
-
-
 # Bytes the naive EP's memory-bound ops move per (token, expert) pair, in units of d (`occult.harness.baselines.naive`):
 # D = 1: gather x[token] 4 + y.float() 6 + × gate 8 + index_add 12 = 30; D > 1 adds the regrouping
 # gathers x_RD[perm] and y[inverse] (4 + 4). The extra work is priced at the D = 1 rate.
@@ -70,10 +61,12 @@ class LogLogCurve:
         return float(np.exp(np.interp(np.log(value), np.log(self.x), np.log(self.y))))
 
 
-def design_alltoall_curve() -> LogLogCurve:
-    """DESIGN.md's 2-GPU table as time vs remote bytes per rank (half of each buffer is remote)."""
-    remote = np.array([size / 2 for size, _ in DESIGN_ALLTOALL_2GPU], dtype=np.float64)
-    ms = np.array([size / (gbps * 1e9) * 1e3 for size, gbps in DESIGN_ALLTOALL_2GPU])
+def builtin_alltoall_curve() -> LogLogCurve:
+    """The shipped 2-GPU table (`occult.sim.builtin_alltoall`) as time vs remote bytes per rank
+    (half of each buffer is remote)."""
+    table = builtin_alltoall_table()
+    remote = np.array([size / 2 for size, _ in table], dtype=np.float64)
+    ms = np.array([size / (gbps * 1e9) * 1e3 for size, gbps in table])
     return LogLogCurve(remote, ms)
 
 

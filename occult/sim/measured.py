@@ -12,7 +12,7 @@ import numpy as np
 from occult.harness.baselines import get_shape
 from occult.method_names import is_occult
 from occult.sim.columns import ALLTOALL_COLUMNS, GEMM_COLUMNS, MEASURED_COLUMNS, SimulateError
-from occult.sim.cost_model import LogLogCurve, design_alltoall_curve, expert_weight_bytes, method_spec
+from occult.sim.cost_model import LogLogCurve, builtin_alltoall_curve, expert_weight_bytes, method_spec
 
 ROUTINGS = ("synthetic", "uniform", "trace")
 
@@ -46,9 +46,9 @@ def read_table(path: str | Path, columns: Sequence[str], field: str):
 
 def alltoall_curves(path: str | Path | None) -> dict[int, LogLogCurve]:
     """Time vs remote bytes per rank, by D, from commbench's `alltoall.csv` (equal splits), or
-    DESIGN.md's 2-GPU table when `path` is None."""
+    the shipped 2-GPU table (`occult.sim.builtin_alltoall`) when `path` is None."""
     if path is None:
-        return {2: design_alltoall_curve()}
+        return {2: builtin_alltoall_curve()}
     frame = read_table(path, ALLTOALL_COLUMNS, "simulate.alltoall_csv")
     equal = frame[(frame["pattern"] == "equal") & (frame["D"] > 1) & (frame["bytes_remote_per_rank"] > 0)]
     if equal.empty:

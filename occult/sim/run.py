@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from occult.harness.baselines import get_shape
 from occult.logs import ENV_LOG_JSON, run_main
+from occult.sim.builtin_alltoall import BUILTIN_ALLTOALL_SOURCE
 from occult.sim.calibration import build_cost_model
 from occult.sim.figures import plot_speedup, plot_validation, print_summary
 from occult.sim.measured import host_scale_of_set, read_measured
@@ -51,7 +52,7 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
     meta = provenance(config_hash, seed, stage="simulate", settings=dataclasses.asdict(settings),
                       calibrated=cost_summary(cost),
                       calibrated_history={name: cost_summary(c) for name, c in history_costs.items()},
-                      alltoall_source=settings.alltoall_csv or "DESIGN.md 2-GPU table (built in)",
+                      alltoall_source=settings.alltoall_csv or BUILTIN_ALLTOALL_SOURCE,
                       gemm_source=settings.gemm_csv or "none (naive EP uncalibrated)")
     paths = {"validation": out_dir / "validation.csv", "history": out_dir / "validation_history.csv",
              "predictions": out_dir / "predictions.csv", "issue8": out_dir / "predictions_D4_D8.csv"}

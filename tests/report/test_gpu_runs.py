@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from occult.report import gpu_runs as gpu_report
+from occult.sim.builtin_alltoall import BUILTIN_ALLTOALL_SOURCE
 
 
 def ep_rows(run: str, kind: str = "prefill") -> pd.DataFrame:
@@ -69,7 +70,7 @@ def test_ep_report_writes_tables_and_figures_and_names_a_missing_peak(tmp_path):
     gpu_report.make_ep_report(run_dir, figures)
     assert (run_dir / "summary.csv").is_file() and (run_dir / "targets.csv").is_file()
     assert (figures / "ep_latency.png").stat().st_size > 0 and (figures / "ep_phases.png").stat().st_size > 0
-    assert set(pd.read_csv(run_dir / "summary.csv")["nccl_curve"]) == {"DESIGN.md all_to_all_single table (2xH200)"}
+    assert set(pd.read_csv(run_dir / "summary.csv")["nccl_curve"]) == {BUILTIN_ALLTOALL_SOURCE}
     (run_dir / "peak.csv").unlink()
     with pytest.raises(FileNotFoundError, match="peak.csv"):
         gpu_report.make_ep_report(run_dir, figures)

@@ -10,7 +10,7 @@ import torch
 from occult.harness.baselines import get_shape
 from occult.sim.calibration import build_cost_model
 from occult.sim.columns import SimulateError
-from occult.sim.cost_model import (CostModel, HostTerms, LinkModel, LogLogCurve, OtherGpuTerms, design_alltoall_curve,
+from occult.sim.cost_model import (CostModel, HostTerms, LinkModel, LogLogCurve, OtherGpuTerms, builtin_alltoall_curve,
                                    fit_host, gpu_components, layer_time, method_spec, shared_elementwise_bytes,
                                    shared_expert_ms, shared_launches)
 from occult.sim.traffic import traffic
@@ -23,7 +23,7 @@ def test_bandwidth_curve_interpolates_in_log_space():
     assert curve(1e7) == pytest.approx(np.sqrt(0.01 * 0.1))           # geometric midpoint
     assert curve(10.0) == pytest.approx(0.01)                          # latency floor
     assert curve(2e8) == pytest.approx(0.2)                            # best bandwidth beyond
-    design = design_alltoall_curve()
+    design = builtin_alltoall_curve()
     sizes = np.geomspace(1e3, 4e9, 60)
     times = [design(s) for s in sizes]
     assert np.all(np.diff(times) >= 0)
@@ -34,10 +34,10 @@ def test_bandwidth_curve_interpolates_in_log_space():
 
 
 def test_link_model_adds_the_network_between_nodes():
-    link = LinkModel({2: design_alltoall_curve()}, gpus_per_node=2, inter_node_bytes_per_ms=50e9 / 1e3,
+    link = LinkModel({2: builtin_alltoall_curve()}, gpus_per_node=2, inter_node_bytes_per_ms=50e9 / 1e3,
                      inter_node_latency_ms=0.015)
     bytes_SD = np.full((4, 4), 1e8)
-    one_node = LinkModel({2: design_alltoall_curve()}, 4, 50e9 / 1e3, 0.015)
+    one_node = LinkModel({2: builtin_alltoall_curve()}, 4, 50e9 / 1e3, 0.015)
     assert link.alltoall_ms(bytes_SD) == pytest.approx(0.015 + 2e8 / 50e9 * 1e3)
     assert one_node.alltoall_ms(bytes_SD) < link.alltoall_ms(bytes_SD)
     assert link.alltoall_ms(np.zeros((1, 1))) == 0.0
@@ -101,7 +101,7 @@ def test_weights_set_a_floor_under_small_batches():
     ids = np.array([[e for e in range(8)]])                     # one token, experts 0..7
     one = traffic(ids, np.zeros(64, dtype=np.int64), 1, "dedup", shape.hidden)
     assert one.active_experts_D.tolist() == [8.0]
-    cost = CostModel(LinkModel({2: design_alltoall_curve()}, 8, 1e9, 0.0), LogLogCurve(np.array([1.0]),
+    cost = CostModel(LinkModel({2: builtin_alltoall_curve()}, 8, 1e9, 0.0), LogLogCurve(np.array([1.0]),
                      np.array([400.0]), extend="flat"), 3.0, {}, 760.0, hbm_bytes_per_ms=4e9,
                      other_gpu=OtherGpuTerms(0.0, 0.0, 1.0, 0))
     spec = method_spec("occult-graph")
