@@ -231,6 +231,5 @@ def final_outputs() -> list[str]:
         f"{FIGURES}/expected_ct_vs_devices.png",
         f"{FIGURES}/placement_study.png",
         *SIMULATE_OUTPUTS,
-        "results/paper/claims.csv",
-        "figures/paper/claims.png",
+        *CLAIMS_OUTPUTS,
     ]
