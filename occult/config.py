@@ -121,7 +121,7 @@ class SimulateConfig:
     methods: tuple[str, ...]
     devices: tuple[int, ...]
     tokens_per_gpu: tuple[int, ...]
-    issue8_devices: tuple[int, ...]
+    prediction_devices: tuple[int, ...]   # D of predictions_D4_D8.csv (the sweep's own sizes)
     gpus_per_node: int
     inter_node_gbps: float
     inter_node_latency_us: float
@@ -140,7 +140,7 @@ class SimulateConfig:
     history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
     shared_ab: tuple = ()               # ([file with shared experts, file without], ...): the shared expert's cost
     host_speed: str = "auto"            # auto | none | launch | python: host terms scaled by a probe (occult.sim.measured.host_scale_of_set)
-    issue8_check: dict | None = None    # {predictions: FILE, measured: [FILE, ...]}: occult.sim.check
+    prediction_check: dict | None = None   # {predictions: FILE, measured: [FILE, ...]}: occult.sim.check
 
     def expand(self, text: str, field: str) -> str:
         """`text` with every `$name` replaced by `folders[name]`."""
@@ -163,13 +163,14 @@ class SimulateConfig:
         files += [self.expand(str(text), "simulate.shared_ab") for pair in self.shared_ab for text in pair]
         return list(dict.fromkeys(files))
 
-    def issue8_files(self) -> tuple[str, list[str]]:
+    def prediction_check_files(self) -> tuple[str, list[str]]:
         """(the pre-registered predictions, the measured sweeps) that `occult.sim.check` compares;
         no measured file: the check has nothing to do."""
-        if self.issue8_check is None:
+        if self.prediction_check is None:
             return "", []
-        field = "simulate.issue8_check.measured"
-        return self.issue8_check["predictions"], [self.expand(text, field) for text in self.issue8_check["measured"]]
+        field = "simulate.prediction_check.measured"
+        return (self.prediction_check["predictions"],
+                [self.expand(text, field) for text in self.prediction_check["measured"]])
 
 
 FOLDER_RE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")

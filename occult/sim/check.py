@@ -1,4 +1,4 @@
-"""Issue 8's check: measured sweeps at D ≥ 4 against the simulator's predictions made before them.
+"""The pre-registered check: measured sweeps at D ≥ 4 against the simulator's predictions made before them.
 
 Every ok, step-timed row of the measured `occult.harness.sweep` CSVs is joined with the prediction for the
 same (shape, method, kind, D, tokens_per_gpu) in each predictions file (`predictions_D4_D8.csv`
@@ -7,7 +7,7 @@ busiest device's (token, expert) pairs over the mean) and the speedup over the n
 and predicted. Rows the simulator does not model (MegaBlocks, Tutel, ...) keep their measured time
 and speedup with status `not simulated`, so the table is also the run's comparison of methods.
 
-Two kinds of predictions file are meant: the one committed before the run (`simulate.issue8_check.
+Two kinds of predictions file are meant: the one committed before the run (`simulate.prediction_check.
 predictions`, the pre-registered numbers) and the one today's calibration writes
 (`results/<run>/simulate/predictions_D4_D8.csv`).
 """
@@ -205,10 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from occult.provenance import provenance, write_csv
 
     parser = argparse.ArgumentParser(prog="python -m occult.sim.check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="its simulate.issue8_check names the files, "
+    parser.add_argument("--config", required=True, help="its simulate.prediction_check names the files, "
                         "simulate.tolerance the tolerance")
     parser.add_argument("--current", type=Path, help="also check today's predictions_D4_D8.csv")
-    parser.add_argument("--out", required=True, type=Path, help="directory of issue8_check.csv and its summary")
+    parser.add_argument("--out", required=True, type=Path, help="directory of prediction_check.csv and its summary")
     parser.add_argument("--figure", type=Path, default=None)
     parser.add_argument("--routing-only", action="store_true",
                         help="the measured rows were timed on other hardware (a CPU run): compare E[C_T] and load only")
@@ -216,10 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
-    if cfg.simulate is None or cfg.simulate.issue8_check is None:
-        raise ConfigError("simulate.issue8_check: the configuration names no predictions and measured files")
-    spec = cfg.simulate.issue8_check
-    field = "simulate.issue8_check"
+    if cfg.simulate is None or cfg.simulate.prediction_check is None:
+        raise ConfigError("simulate.prediction_check: the configuration names no predictions and measured files")
+    spec = cfg.simulate.prediction_check
+    field = "simulate.prediction_check"
     measured = read_sweeps([cfg.simulate.expand(p, f"{field}.measured") for p in spec["measured"]], f"{field}.measured")
     predictions = {"preregistered": read_predictions(spec["predictions"], f"{field}.predictions")}
     if args.current is not None:
@@ -229,8 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = provenance(cfg.hash(), cfg.seed, stage="prediction_check", tolerance=cfg.simulate.tolerance,
                       predictions={"preregistered": spec["predictions"], "current": str(args.current)},
                       measured=list(spec["measured"]), routing_only=args.routing_only)
-    write_csv(args.out / "issue8_check.csv", table, meta=meta)
-    write_csv(args.out / "issue8_check_summary.csv", totals, meta=meta)
+    write_csv(args.out / "prediction_check.csv", table, meta=meta)
+    write_csv(args.out / "prediction_check_summary.csv", totals, meta=meta)
     if args.figure is not None:
         plot(table, cfg.simulate.tolerance, args.figure)
     print_summary(totals)

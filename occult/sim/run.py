@@ -27,7 +27,7 @@ from occult.sim.validation import history_tables, validate
 
 def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | None,
                  config_hash: str | None = None, recorded: RecordedRequest | None = None) -> dict[str, Path]:
-    """Validation table, scale predictions and the issue-8 table (+ figures), and with `recorded`
+    """Validation table, scale predictions and the sweep's sizes at `prediction_devices` (+ figures), and with `recorded`
     the predictions on a recorded trace, with the same calibrated model; returns the paths."""
     from occult.provenance import provenance, seed_everything, write_csv
 
@@ -46,8 +46,8 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
     targets = {name: traces[name] for name in settings.shapes}
     prefill = [("prefill", tokens, None) for tokens in settings.tokens_per_gpu]
     predictions = predict(targets, settings.methods, settings.devices, prefill, cost, "predict D")
-    issue8 = predict(targets, settings.methods, settings.issue8_devices,
-                     sweep_points(("prefill", "decode", "train")), cost, "predict issue 8")
+    at_sweep_sizes = predict(targets, settings.methods, settings.prediction_devices,
+                             sweep_points(("prefill", "decode", "train")), cost, "predict sweep sizes")
 
     meta = provenance(config_hash, seed, stage="simulate", settings=dataclasses.asdict(settings),
                       calibrated=cost_summary(cost),
@@ -55,11 +55,11 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
                       alltoall_source=settings.alltoall_csv or BUILTIN_ALLTOALL_SOURCE,
                       gemm_source=settings.gemm_csv or "none (naive EP uncalibrated)")
     paths = {"validation": out_dir / "validation.csv", "history": out_dir / "validation_history.csv",
-             "predictions": out_dir / "predictions.csv", "issue8": out_dir / "predictions_D4_D8.csv"}
+             "predictions": out_dir / "predictions.csv", "predictions_D4_D8": out_dir / "predictions_D4_D8.csv"}
     write_csv(paths["validation"], table, meta=meta)
     write_csv(paths["history"], history, meta=meta)
     write_csv(paths["predictions"], predictions, meta=meta)
-    write_csv(paths["issue8"], issue8, meta=meta)
+    write_csv(paths["predictions_D4_D8"], at_sweep_sizes, meta=meta)
     if recorded is not None:
         paths["trace"] = recorded.out
         write_csv(recorded.out, predict_recorded(recorded.profile_dir, recorded.name, recorded.shape, recorded.layers,

@@ -1,4 +1,4 @@
-"""Issue 8's check (occult.sim.check): measured rows joined with the pre-registered
+"""The pre-registered check (occult.sim.check): measured rows joined with the pre-registered
 predictions point by point, the errors, the statuses of points it cannot compare, and bad inputs."""
 
 import json
@@ -15,7 +15,7 @@ from occult.sim.check import CHECK_COLUMNS, check, read_predictions, read_sweeps
 from occult.sim.columns import SimulateError
 
 REPO = Path(__file__).resolve().parents[2]
-PREREGISTERED = REPO / "results/preregistered/issue8_predictions_90f63fd.csv"
+PREREGISTERED = REPO / "results/preregistered/predictions_D4_D8_90f63fd.csv"
 
 
 def sweep_rows(predictions: pd.DataFrame, factor: dict[str, float], ct_shift: float = 0.0) -> pd.DataFrame:
@@ -90,22 +90,22 @@ def test_bad_inputs_are_named(tmp_path, predictions):
     twice = tmp_path / "twice.csv"
     pd.concat([predictions.iloc[:2], predictions.iloc[:1]]).to_csv(twice, index=False)
     with pytest.raises(SimulateError, match="twice.csv holds .* twice"):
-        read_predictions(twice, "simulate.issue8_check.predictions")
+        read_predictions(twice, "simulate.prediction_check.predictions")
     lacking = tmp_path / "lacking.csv"
     predictions.drop(columns=["layer_ms"]).to_csv(lacking, index=False)
-    with pytest.raises(SimulateError, match="simulate.issue8_check.predictions: .*lacking.csv lacks column.*layer_ms"):
-        read_predictions(lacking, "simulate.issue8_check.predictions")
+    with pytest.raises(SimulateError, match="simulate.prediction_check.predictions: .*lacking.csv lacks column.*layer_ms"):
+        read_predictions(lacking, "simulate.prediction_check.predictions")
     none_ok = tmp_path / "none_ok.csv"
     sweep_rows(predictions.iloc[:4], {"naive": 1.0, "occult": 1.0}).assign(status="timeout").to_csv(none_ok, index=False)
     with pytest.raises(SimulateError, match="measured: no ok, step-timed row in .*none_ok.csv"):
-        read_sweeps([none_ok], "simulate.issue8_check.measured")
+        read_sweeps([none_ok], "simulate.prediction_check.measured")
     with pytest.raises(SimulateError, match="measured: .*absent.csv does not exist"):
-        read_sweeps([tmp_path / "absent.csv"], "simulate.issue8_check.measured")
+        read_sweeps([tmp_path / "absent.csv"], "simulate.prediction_check.measured")
 
 
 def write_config(tmp_path: Path, measured: list[str]) -> Path:
     cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    cfg["simulate"]["issue8_check"] = {"predictions": str(PREREGISTERED), "measured": measured}
+    cfg["simulate"]["prediction_check"] = {"predictions": str(PREREGISTERED), "measured": measured}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -120,14 +120,14 @@ def test_command_writes_the_table_summary_and_figure_or_one_error(tmp_path, pred
            "--current", str(PREREGISTERED), "--out", str(out), "--figure", str(figure), "--log-json", str(log)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    table = pd.read_csv(out / "issue8_check.csv")
+    table = pd.read_csv(out / "prediction_check.csv")
     assert set(table["predictions"]) == {"preregistered", "current"} and (table["status"] == "ok").all()
-    assert figure.stat().st_size > 10_000 and (out / "issue8_check_summary.csv").exists()
+    assert figure.stat().st_size > 10_000 and (out / "prediction_check_summary.csv").exists()
     assert "occult" in proc.stdout and json.loads(log.read_text().splitlines()[-1])["event"] == "done"
 
     bad_out = tmp_path / "bad"
     cmd[cmd.index("--config") + 1] = str(write_config(tmp_path, [str(tmp_path / "absent.csv")]))
     cmd[cmd.index("--out") + 1] = str(bad_out)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "simulate.issue8_check.measured" in proc.stderr and "absent.csv" in proc.stderr
+    assert proc.returncode == 1 and "simulate.prediction_check.measured" in proc.stderr and "absent.csv" in proc.stderr
     assert not bad_out.exists()

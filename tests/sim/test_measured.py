@@ -19,7 +19,7 @@ from occult.sim.predict import cost_summary
 def settings(**changes) -> SimulateConfig:
     base = SimulateConfig(
         shapes=("tiny",), methods=("occult", "occult-nd1", "occult-graph", "naive"), devices=(2, 4),
-        tokens_per_gpu=(64, 256), issue8_devices=(2,), gpus_per_node=2, inter_node_gbps=400, inter_node_latency_us=15,
+        tokens_per_gpu=(64, 256), prediction_devices=(2,), gpus_per_node=2, inter_node_gbps=400, inter_node_latency_us=15,
         pool_tokens=512, measured=(), calibration=(), alltoall_csv=None, gemm_csv=None, gemm_min_rows_per_expert=1,
         dense_tflops=760, tolerance=0.15)
     return dataclasses.replace(base, **changes)

@@ -20,12 +20,11 @@ def test_run_simulate_writes_tables_and_figures(tmp_path):
     ok = predictions[predictions["status"] == "ok"]
     assert set(ok["D"]) == {2, 4} and set(ok["method"]) == {"occult", "occult-nd1", "occult-graph", "naive"}
     assert np.allclose(ok.loc[ok["method"] == "naive", "speedup_vs_naive"], 1.0)
-    issue8 = pd.read_csv(paths["issue8"])
-    assert set(issue8["kind"]) == {"prefill", "decode", "train"}
-    assert set(issue8.loc[issue8["kind"] == "train", "status"]) == {"uncalibrated: no occult-compute train rows in "
-                                                                    "simulate.calibration",
-                                                                    "uncalibrated: no naive train points in "
-                                                                    "simulate.calibration"}
+    at_sweep_sizes = pd.read_csv(paths["predictions_D4_D8"])
+    assert set(at_sweep_sizes["kind"]) == {"prefill", "decode", "train"}
+    train = at_sweep_sizes.loc[at_sweep_sizes["kind"] == "train", "status"]
+    assert set(train) == {"uncalibrated: no occult-compute train rows in simulate.calibration",
+                          "uncalibrated: no naive train points in simulate.calibration"}
     meta = paths["validation"].with_name("validation.csv.meta.json")
     assert meta.exists() and "host" in meta.read_text()
     for key in ("fig_speedup", "fig_validation"):

@@ -180,8 +180,9 @@ def simulate_inputs(wildcards) -> list[str]:
     return [committed_path(p) for p in named if p]
 
 
-# Issue 8's check runs once its measured files are named (simulate.issue8_check.measured).
-ISSUE8_PREDICTIONS, ISSUE8_MEASURED = CFG.simulate.issue8_files() if CFG.simulate is not None else ("", [])
+# The pre-registered check runs once its measured files are named (simulate.prediction_check.measured).
+PREDICTION_CHECK_PREDICTIONS, PREDICTION_CHECK_MEASURED = (
+    CFG.simulate.prediction_check_files() if CFG.simulate is not None else ("", []))
 
 
 def simulate_figures_dir(wildcards, output) -> str:
@@ -195,7 +196,7 @@ SIMULATE_OUTPUTS = [
     f"{RESULTS}/simulate/predictions_D4_D8.csv",
     f"{FIGURES}/simulate_speedup.png",
     f"{FIGURES}/simulate_validation.png",
-    *([f"{RESULTS}/simulate/issue8_check.csv", f"{FIGURES}/issue8_check.png"] if ISSUE8_MEASURED else []),
+    *([f"{RESULTS}/simulate/prediction_check.csv", f"{FIGURES}/prediction_check.png"] if PREDICTION_CHECK_MEASURED else []),
 ] if CFG.simulate is not None else []
 
 

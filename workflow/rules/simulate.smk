@@ -1,5 +1,6 @@
-# Trace-driven scale simulator (issue 6): validated against the committed GPU sweeps, predictions
-# for D = 4 ... 64 and the issue-8 table for D = 4, 8, and the issue-8 check. CPU only; about half a minute.
+# Trace-driven scale simulator: validated against the committed GPU sweeps, predictions for
+# D = 4 ... 64 and the sweep's own sizes at D = 4, 8, and the check of measured D = 4/8 runs against
+# the pre-registered predictions. CPU only; a few minutes.
 # (`occult simulate` is the same stage behind the CLI; the module entry keeps tests/test_cli.py's
 # fixed stage table unchanged.)
 
@@ -13,7 +14,7 @@ rule simulate_scale:
         ),
         history=f"{RESULTS}/simulate/validation_history.csv",
         predictions=f"{RESULTS}/simulate/predictions.csv",
-        issue8=f"{RESULTS}/simulate/predictions_D4_D8.csv",
+        predictions_D4_D8=f"{RESULTS}/simulate/predictions_D4_D8.csv",
         fig_speedup=report(f"{FIGURES}/simulate_speedup.png", category="Scale simulator", caption="../report/simulate.rst"),
         fig_validation=report(
             f"{FIGURES}/simulate_validation.png", category="Scale simulator", caption="../report/simulate.rst"
@@ -39,24 +40,24 @@ rule simulate_scale:
         " --log-json {log.json} 2>&1 | tee {log.text}"
 
 
-rule check_issue8_predictions:
+rule check_predictions:
     input:
-        measured=[committed_path(p) for p in ISSUE8_MEASURED],
-        preregistered=committed_path(ISSUE8_PREDICTIONS) if ISSUE8_PREDICTIONS else [],
+        measured=[committed_path(p) for p in PREDICTION_CHECK_MEASURED],
+        preregistered=committed_path(PREDICTION_CHECK_PREDICTIONS) if PREDICTION_CHECK_PREDICTIONS else [],
         current=f"{RESULTS}/simulate/predictions_D4_D8.csv",
     output:
-        table=report(f"{RESULTS}/simulate/issue8_check.csv", category="Scale simulator", caption="../report/simulate.rst"),
-        summary=f"{RESULTS}/simulate/issue8_check_summary.csv",
-        figure=report(f"{FIGURES}/issue8_check.png", category="Scale simulator", caption="../report/simulate.rst"),
+        table=report(f"{RESULTS}/simulate/prediction_check.csv", category="Scale simulator", caption="../report/simulate.rst"),
+        summary=f"{RESULTS}/simulate/prediction_check_summary.csv",
+        figure=report(f"{FIGURES}/prediction_check.png", category="Scale simulator", caption="../report/simulate.rst"),
     params:
         config=RESOLVED_CONFIG,
         settings=settings("simulate") if CFG.simulate is not None else "",
         outdir=output_dir,
     log:
-        text=f"logs/check_issue8_predictions/{RUN}.log",
-        json=f"logs/check_issue8_predictions/{RUN}.jsonl",
+        text=f"logs/check_predictions/{RUN}.log",
+        json=f"logs/check_predictions/{RUN}.jsonl",
     benchmark:
-        f"benchmarks/check_issue8_predictions/{RUN}.tsv"
+        f"benchmarks/check_predictions/{RUN}.tsv"
     conda:
         "../../environment.yml"
     threads: 1
