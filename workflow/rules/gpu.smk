@@ -1,34 +1,48 @@
-# GPU latency sweeps (issue: real baselines). On a GPU machine, ask for a CSV to measure it, e.g.
+# GPU latency sweeps against the baselines. On a GPU machine (baselines built: tools/build_baselines.sh),
+# ask for a CSV to measure it, e.g.
 #   snakemake --cores all results/my-gpus/sweeps_v3/sweep_prefill_D2.csv
+#   snakemake --cores all results/my-gpus/sweeps_v3/sweep_prefill_D1_trace.csv   (one routing)
 # On any machine, `rule all` redraws the figures of every committed sweep run (no GPU needed).
 
 
 rule run_gpu_sweep:
+    # The fair sweep of one kind at D GPUs: every Occult variant against every exact setting of each
+    # baseline (docs/baselines.md), the methods of each point in a seeded random order, one process
+    # per part that cannot share one (occult.harness.sweep.parts). `sweep_<kind>_D<D>.csv` runs the
+    # three routings; `sweep_<kind>_D<D>_<routing>.csv` runs one (a piece that fits a shorter slot).
     output:
-        csv="results/{machine}/sweeps_{version}/sweep_{kind}_D{devices}.csv",
+        csv="results/{machine}/sweeps_{version}/sweep_{kind}_D{devices}{routing}.csv",
     params:
         shapes="olmoe qwen deepseek",
-        methods="occult occult-balanced occult-nd2 occult-nd1 naive megablocks tutel hf fsdp",
+        methods="occult occult-balanced occult-graph occult-graph-balanced occult-nd2 occult-nd1 naive hf fsdp"
+        " megablocks megablocks:grouped_gemm=cutlass megablocks:mlp_impl=sparse"
+        " tutel tutel:adaptive_r=0 tutel:megablocks_size=1 deepspeed deepspeed:use_tutel=1",
+        routings=lambda wildcards: wildcards.routing.lstrip("_") or "synthetic uniform trace",
+        trace=lambda wildcards: committed_path(EP_TRACE),   # the EP benchmark's trace (gpu_common.smk)
+        grouped_gemm_dir=str(Path(workflow.basedir) / ".thirdparty" / "baselines"),   # tools/build_baselines.sh
     log:
-        text="logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.log",
-        json="logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.jsonl",
+        text="logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}{routing}.log",
+        json="logs/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}{routing}.jsonl",
     benchmark:
-        "benchmarks/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}.tsv"
+        "benchmarks/run_gpu_sweep/{machine}_{version}_{kind}_D{devices}{routing}.tsv"
     wildcard_constraints:
         kind="prefill|decode|train",
         devices="[0-9]+",
+        routing="(_(synthetic|uniform|trace))?",
     conda:
         "../../environment.yml"
     threads: 8
     resources:
         gpus=gpus_of_sweep,
         mem_mb=64000,
-        runtime=60,
+        runtime=120,
     shell:
         "OCCULT_LOG_JSON={log.json} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
-        " torchrun --nproc_per_node={wildcards.devices} -m occult.harness.sweep --kind {wildcards.kind}"
-        " --shapes {params.shapes} --methods {params.methods} --repeats 20 --warmup 5"
-        " --out {output.csv} > {log.text} 2>&1"
+        " python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
+        " python -m occult.harness.sweep.parts --launch 'torchrun --nproc_per_node={wildcards.devices} --nnodes=1'"
+        " --kind {wildcards.kind} --D {wildcards.devices} --shapes {params.shapes} --methods {params.methods}"
+        " --routings {params.routings} --trace {params.trace} --grouped-gemm-dir {params.grouped_gemm_dir}"
+        " --repeats 20 --warmup 5 --timeout-s 120 --out {output.csv} > {log.text} 2>&1"
 
 
 rule plot_gpu_sweeps:
