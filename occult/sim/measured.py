@@ -248,7 +248,7 @@ def host_scale_column(probe_us):
     """Each row's host slowness: its host probe (occult.harness.sweep's `host_probe_us`, a fixed pure-Python
     loop, or `host_launch_us`, 20 tiny launches, each timed before every step: the host's speed then)
     over the median probe of the set's rows; 1 for a row without the probe (older sweeps), i.e. a
-    host of typical speed. On the lent H200 machines both probes move between processes and within
+    host of typical speed. On the H200 machines measured so far both probes move between processes and within
     one, and host-bound layers with them (results/nvidia-h200/host_probe_v1, sweeps_v32, sweeps_v33)."""
     import pandas as pd
 

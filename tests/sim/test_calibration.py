@@ -335,7 +335,7 @@ def test_shared_expert_host_is_measured_per_launch_and_added_after_the_sync(tmp_
 
 
 def test_shared_expert_host_ab_is_taken_at_each_process_host_speed(tmp_path):
-    """The A/B's two processes ran on hosts of different speed (the lent machines' CPU moves): the
+    """The A/B's two processes ran on hosts of different speed (the GPU machines' CPU speed moves): the
     process without the shared expert ran 1.5x slower, and its probes say so. Unscaled, the difference
     loses that slowness; scaled by each row's probe over the pair's median, it is the shared expert's
     host time at the pair's median speed. Files without probes are read at scale 1."""

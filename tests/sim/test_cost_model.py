@@ -23,12 +23,12 @@ def test_bandwidth_curve_interpolates_in_log_space():
     assert curve(1e7) == pytest.approx(np.sqrt(0.01 * 0.1))           # geometric midpoint
     assert curve(10.0) == pytest.approx(0.01)                          # latency floor
     assert curve(2e8) == pytest.approx(0.2)                            # best bandwidth beyond
-    design = builtin_alltoall_curve()
+    builtin = builtin_alltoall_curve()
     sizes = np.geomspace(1e3, 4e9, 60)
-    times = [design(s) for s in sizes]
+    times = [builtin(s) for s in sizes]
     assert np.all(np.diff(times) >= 0)
     # 1 GiB buffer on 2 GPUs at 660 GB/s: half of it remote
-    assert design(2**29) == pytest.approx(2**30 / 660e9 * 1e3)
+    assert builtin(2**29) == pytest.approx(2**30 / 660e9 * 1e3)
     with pytest.raises(SimulateError, match="increasing"):
         LogLogCurve(np.array([2.0, 1.0]), np.array([1.0, 1.0]))
 
