@@ -30,14 +30,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from occult.method_names import is_occult  # noqa: E402
+from occult.method_names import is_occult, parse_method  # noqa: E402
 from occult.provenance import atomic_path, write_csv  # noqa: E402
 from occult.sim.builtin_alltoall import BUILTIN_ALLTOALL_SOURCE, builtin_alltoall_table  # noqa: E402
 
 SIZE_COLUMN = {"prefill": "tokens_per_gpu", "decode": "batch", "train": "batch"}
 XLABEL = {"prefill": "tokens per GPU", "decode": "sequences per GPU (one token each)",
           "train": "batch (sequences of 512 tokens) per GPU"}
-OCCULT = ("occult", "occult-graph", "occult-nd2", "occult-nd1")
 REFERENCE_TOKENS = 16384
 # One colour per method in every sweep figure (tab20 pairs: an Occult variant and its balanced twin share
 # a hue); methods not listed take the colours left over, in name order.
@@ -69,10 +68,11 @@ def _save(fig, path: Path) -> None:
     plt.close(fig)
 
 
-def replicate_medians(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per point (kind, shape, method, D, size): the median of its replicates' `median_ms`
-    (a run may hold several processes' files of the same sweep), with their min and max."""
-    keys = [k for k in ("kind", "shape", "method", "D", "tokens_per_gpu", "batch") if k in frame.columns]
+def replicate_medians(frame: pd.DataFrame, extra_keys: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One row per point (kind, shape, method, D, size, and `extra_keys`): the median of its
+    replicates' `median_ms` (a run may hold several processes' files of the same sweep), with their
+    min and max."""
+    keys = [k for k in ("kind", *extra_keys, "shape", "method", "D", "tokens_per_gpu", "batch") if k in frame.columns]
     return (frame.groupby(keys, dropna=False, sort=False)["median_ms"]
             .agg(median_ms="median", low_ms="min", high_ms="max", replicates="size").reset_index())
 
@@ -112,19 +112,35 @@ def plot_kind(frame: pd.DataFrame, kind: str, path: Path) -> None:
     _save(fig, path)
 
 
+SPEEDUP_COLUMNS = ("routing", "shape", "D", "tokens_per_gpu", "occult", "baseline", "baseline_method",
+                   "baseline_config", "configs_compared", "occult_ms", "baseline_ms", "speedup")
+
+
 def speedups(frame: pd.DataFrame, tokens: int = REFERENCE_TOKENS) -> pd.DataFrame:
-    """Occult's speedup over each baseline at `tokens` per GPU (prefill), per shape and D."""
-    ok = frame[(frame["kind"] == "prefill") & (frame["status"] == "ok") & (frame["tokens_per_gpu"] == tokens)]
-    ok = replicate_medians(ok)
+    """Each Occult variant's speedup over each baseline at `tokens` per GPU (prefill), per routing,
+    shape and D. A baseline run in several settings (methods `megablocks`, `megablocks:grouped_gemm=
+    cutlass`, ...) is represented by its fastest setting at that point, named in `baseline_method` and
+    `baseline_config`; `configs_compared` says among how many. Files without a `routing` column hold
+    the synthetic routing (the sweep's default before it had one)."""
+    ok = frame[(frame["kind"] == "prefill") & (frame["status"] == "ok") & (frame["tokens_per_gpu"] == tokens)].copy()
+    ok["routing"] = ok["routing"].fillna("synthetic") if "routing" in ok.columns else "synthetic"
+    configs = ok.groupby("method")["baseline_config"].first().fillna("") if "baseline_config" in ok.columns else {}
+    ok = replicate_medians(ok, extra_keys=("routing",))
     rows = []
-    for (shape, devices), g in ok.groupby(["shape", "D"]):
+    for (routing, shape, devices), g in ok.groupby(["routing", "shape", "D"]):
         times = g.set_index("method")["median_ms"]
-        for occult in [m for m in OCCULT if m in times]:
-            for base in [m for m in times.index if not is_occult(m)]:
-                rows.append({"shape": shape, "D": devices, "tokens_per_gpu": tokens, "occult": occult,
-                             "baseline": base, "occult_ms": times[occult], "baseline_ms": times[base],
-                             "speedup": times[base] / times[occult]})
-    return pd.DataFrame(rows)
+        baselines = pd.DataFrame({"method": [m for m in times.index if not is_occult(m)]})
+        baselines["system"] = [parse_method(m).system for m in baselines["method"]]
+        baselines["ms"] = [times[m] for m in baselines["method"]]
+        for occult in [m for m in times.index if is_occult(m)]:
+            for system, options in baselines.groupby("system", sort=True):
+                fastest = options.loc[options["ms"].idxmin()]
+                rows.append({"routing": routing, "shape": shape, "D": devices, "tokens_per_gpu": tokens,
+                             "occult": occult, "baseline": system, "baseline_method": fastest["method"],
+                             "baseline_config": configs.get(fastest["method"], "") if len(configs) else "",
+                             "configs_compared": len(options), "occult_ms": times[occult],
+                             "baseline_ms": fastest["ms"], "speedup": fastest["ms"] / times[occult]})
+    return pd.DataFrame(rows, columns=list(SPEEDUP_COLUMNS))
 
 
 SPEEDUP_BARS = {"occult": ("Occult exact, eager", "#4c72b0"), "occult-graph": ("Occult exact, CUDA graph", "#dd8452")}
@@ -132,22 +148,24 @@ SPEEDUP_BASELINES = ("megablocks", "tutel", "naive")
 
 
 def plot_speedups(table: pd.DataFrame, path: Path) -> None:
-    """Horizontal bars: per (shape, D, baseline) one bar for each Occult variant of SPEEDUP_BARS."""
+    """Horizontal bars: per (routing, shape, D, baseline) one bar for each Occult variant of
+    SPEEDUP_BARS (against the baseline's fastest setting)."""
     sub = table[table["occult"].isin(list(SPEEDUP_BARS)) & table["baseline"].isin(SPEEDUP_BASELINES)]
-    groups = sorted(sub.groupby(["shape", "D", "baseline"]).groups,
-                    key=lambda key: (key[0], key[1], SPEEDUP_BASELINES.index(key[2])))
+    groups = sorted(sub.groupby(["routing", "shape", "D", "baseline"]).groups,
+                    key=lambda key: (key[0], key[1], key[2], SPEEDUP_BASELINES.index(key[3])))
     variants = [v for v in SPEEDUP_BARS if v in set(sub["occult"])]
     height = 0.8 / max(1, len(variants))
     fig, ax = plt.subplots(figsize=(7, 0.45 * len(groups) + 1.2))
     for offset, variant in enumerate(variants):
         label, color = SPEEDUP_BARS[variant]
-        values = sub[sub["occult"] == variant].set_index(["shape", "D", "baseline"])["speedup"]
+        values = sub[sub["occult"] == variant].set_index(["routing", "shape", "D", "baseline"])["speedup"]
         ys = [index + (offset - (len(variants) - 1) / 2) * height for index in range(len(groups))]
         xs = [values.get(key, float("nan")) for key in groups]
         bars = ax.barh(ys, xs, height=height, color=color, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=2)
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks(range(len(groups)), [f"{shape}, D={d}, vs {base}" for shape, d, base in groups], fontsize=7)
+    ax.set_yticks(range(len(groups)), [f"{routing}: {shape}, D={d}, vs {base}" for routing, shape, d, base in groups],
+                  fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel(f"speedup over the baseline at {REFERENCE_TOKENS} tokens/GPU (prefill; >1: Occult faster)",
                   fontsize=8)

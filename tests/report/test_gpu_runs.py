@@ -158,3 +158,32 @@ def test_kernel_report_pairs_burst_timed_rows_with_the_burst_peak(tmp_path):
     kernel_rows(2.0, 2.0).to_csv(run_dir / "kernels.csv", index=False)      # runs without burst rows: NaN
     gpu_report.make_kernels_report(run_dir, tmp_path / "figures")
     assert pd.read_csv(run_dir / "summary.csv")["burst_median_ms"].isna().all()
+
+
+def test_sweep_speedups_per_routing_against_each_baselines_fastest_setting():
+    """One row per (routing, Occult variant, baseline); a baseline run in several settings is
+    represented by the fastest at that point, named with its setting (values by hand)."""
+    times = {
+        "synthetic": {"occult": 4.0, "megablocks": 6.0, "megablocks:grouped_gemm=cutlass": 5.0, "tutel": 16.0,
+                      "tutel:adaptive_r=0": 12.0},
+        "trace": {"occult": 3.0, "megablocks": 4.5, "megablocks:grouped_gemm=cutlass": 6.0, "tutel": 9.0,
+                  "tutel:adaptive_r=0": 10.0},
+    }
+    configs = {"megablocks": "grouped_gemm=cublas", "megablocks:grouped_gemm=cutlass": "grouped_gemm=cutlass",
+               "tutel": "capacity_factor=0", "tutel:adaptive_r=0": "capacity_factor=0,adaptive_r=0", "occult": None}
+    rows = [{"kind": "prefill", "status": "ok", "tokens_per_gpu": 16384, "shape": "olmoe", "D": 1, "routing": routing,
+             "method": method, "baseline_config": configs[method], "median_ms": ms}
+            for routing, point in times.items() for method, ms in point.items()]
+    rows.append({**rows[0], "method": "megablocks:mlp_impl=sparse", "status": "unsupported: triton", "median_ms": None})
+    table = gpu_report.speedups(pd.DataFrame(rows))
+    assert list(table.columns) == list(gpu_report.SPEEDUP_COLUMNS)
+    table = table.set_index(["routing", "occult", "baseline"])
+    assert len(table) == 4
+    synthetic = table.loc[("synthetic", "occult", "megablocks")]
+    assert synthetic["baseline_config"] == "grouped_gemm=cutlass" and synthetic["configs_compared"] == 2
+    assert synthetic["speedup"] == pytest.approx(5.0 / 4.0)
+    trace = table.loc[("trace", "occult", "megablocks")]
+    assert trace["baseline_method"] == "megablocks" and trace["baseline_config"] == "grouped_gemm=cublas"
+    assert trace["speedup"] == pytest.approx(4.5 / 3.0)
+    assert table.loc[("synthetic", "occult", "tutel"), "baseline_config"] == "capacity_factor=0,adaptive_r=0"
+    assert table.loc[("trace", "occult", "tutel"), "speedup"] == pytest.approx(9.0 / 3.0)
