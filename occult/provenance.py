@@ -29,9 +29,8 @@ def git_commit(root: Path = REPO_ROOT) -> str:
     (changes under results/ and figures/, and to documentation: docs/ and *.md, do not count);
     $OCCULT_COMMIT where git cannot tell; "unknown (installed occult VERSION)" outside a checkout.
 
-    A set $OCCULT_COMMIT wins over git: the device scripts set it after checking the copied tree
-    against the commit's file hashes, and a copied checkout's .git can be stale (on the lent GPU
-    machines it named an older commit, "-dirty", in results of 2026-11-30)."""
+    A set $OCCULT_COMMIT wins over git: a copied checkout's .git can be stale or missing, and
+    whoever copied it knows the commit (tools/remote/README.md)."""
     pinned = os.environ.get("OCCULT_COMMIT", "").strip()
     if pinned:
         return pinned

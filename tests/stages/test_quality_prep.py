@@ -1,13 +1,10 @@
 """The quality study's preparation: grouped expert compute, resumable pre-training, the arms,
-the batched lm-eval scorer, and pack_quality.sh + gpu_quality.sh end to end at micro scale."""
+the batched lm-eval scorer, the ShareGPT reader and the summary."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -256,80 +253,7 @@ def test_continuation_logits_equal_the_full_forward(arch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-# --------------------------------------------------------------------------- the scripts, end to end
-
-
-@pytest.mark.parametrize("gpus,shards", [("1", ""), ("2", "3")])
-def test_pack_and_gpu_scripts_run_the_study_at_micro_scale(tmp_path, gpus, shards):
-    """QUALITY_GPUS=2 on a CPU: data-parallel pre-training over 2 gloo ranks under torchrun, then
-    fine-tuning and evaluation in QUALITY_SHARDS=3 processes (round-robin over the 2 "GPUs"), each on
-    every third arm; every arm is trained and scored once."""
-    preset = tmp_path / "micro.yaml"
-    preset.write_text(yaml.safe_dump(MICRO))
-    env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python"),
-           "OMP_NUM_THREADS": "1", "CARRY": str(tmp_path / "carry"), "OUT": str(tmp_path / "out"),
-           "SITE": "", "PATH": f"{REPO / '.venv/bin'}:{os.environ['PATH']}", "QUALITY_GPUS": gpus, "QUALITY_SHARDS": shards,
-           "TRAINBENCH_STEPS": "1", "TRAINBENCH_WARMUP": "0"}
-    pack = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
-                          cwd=REPO, env=env, capture_output=True, text=True, errors="replace", timeout=300)
-    assert pack.returncode == 0, pack.stderr[-3000:]
-    packed = json.loads((tmp_path / "carry" / "manifest.json").read_text())
-    assert {"config.yaml", "data.tar.xz", "COMMIT", "TREE.sha256"} <= set(packed["files"])
-    # the GPU side starts from the pack alone: a fresh work root
-    env["WORK_ROOT"] = str(tmp_path / "gpu-work")
-    for phase in ("pretrain", "variants", "evaluate"):
-        run = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", phase], cwd=REPO, env=env,
-                             capture_output=True, text=True, errors="replace", timeout=400)
-        assert run.returncode == 0, f"{phase}: {run.stdout[-3000:]}"
-        assert "code tree: matches" in run.stdout
-        if shards and phase != "pretrain":
-            assert f"shard {int(shards) - 1}]" in run.stdout       # the last shard ran, on GPU 0 again
-    # a tree that is not the packed one is named in the log and in the commit the results carry
-    tree = tmp_path / "carry" / "TREE.sha256"
-    lines = tree.read_text().splitlines()
-    lines[0] = "0" * 64 + lines[0][64:]
-    tree.write_text("\n".join(lines) + "\n")
-    again = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", "variants"], cwd=REPO, env=env,
-                           capture_output=True, text=True, errors="replace", timeout=200)
-    assert again.returncode == 0 and "finetune micro" not in again.stdout and "arms:" not in again.stdout
-    assert "code tree: DIFFERS" in again.stdout and lines[0][66:] in again.stdout
-    arms = quality_arms(load_config(tmp_path / "carry" / "config.yaml"))
-    if shards:
-        # a shard that fails (as one did, out of GPU memory) leaves arms unscored: one process alone
-        # scores them in the same call, and the phase ends well
-        lost = tmp_path / "gpu-work" / MICRO["run"] / "quality_results" / "evaluate" / f"{arms[-1].name}.json"
-        lost.unlink()
-        failing = tmp_path / "failing-python"
-        failing.write_text(f'#!/bin/sh\ncase " $* " in *" --shard 1/{shards} "*) echo "shard 1: simulated failure" >&2; exit 1;; esac\n'
-                           f'exec {REPO / ".venv/bin/python"} "$@"\n')
-        failing.chmod(0o755)
-        retried = subprocess.run(["bash", "workflow/scripts/gpu_quality.sh", "evaluate"], cwd=REPO,
-                                 env={**env, "PYTHON": str(failing)}, capture_output=True, text=True, errors="replace", timeout=300)
-        assert retried.returncode == 0, retried.stdout[-3000:]
-        assert "simulated failure" in retried.stdout and "a shard failed (exit 1)" in retried.stdout
-        assert lost.is_file()
-    with tarfile.open(tmp_path / "out" / "quality_results.tar.gz") as tar:
-        names = set(tar.getnames())
-    assert {f"./evaluate/{a.name}.json" for a in arms} <= names
-    assert {f"./finetune/{a.name}_log.csv" for a in arms if a.name != "raw"} <= names
-    assert {"./model/pretrain_log.csv", "./model/router_structure.json", "./profile/profile.json",
-            "./profile/profile.npz", "./profile/routing_calibration_sample.npz", "./profile/routing_heldout_sample.npz",
-            "./placement/expected_ct.csv", "./timings.json", "./config.yaml", "./model/pretrain_steptrace.json",
-            "./model/trainbench.csv",
-            "./finetune/steptrace.json"} <= names
-    assert not any(n.endswith((".safetensors", ".pt", ".bin")) for n in names)
-    with tarfile.open(tmp_path / "out" / "quality_results.tar.gz") as tar:
-        pretrained = json.load(tar.extractfile("./model/occult_pretrain.json"))
-        raw = json.load(tar.extractfile("./evaluate/raw.json"))
-    assert pretrained["train"]["data_parallel_ranks"] == int(gpus)
-    # every task's per-document answers are kept, and their mean is lm-eval's accuracy
-    for score in raw["scores"]:
-        bits = raw["per_doc"][score["task"]]
-        assert set(bits) <= {"0", "1"} and len(bits) == score["n"]
-        assert bits.count("1") / len(bits) == pytest.approx(score["acc"], abs=1e-12)
-
-
-# --------------------------------------------------------------------------- ShareGPT, the guard, the summary
+# --------------------------------------------------------------------------- ShareGPT, the summary
 
 
 def test_sharegpt_reader_decodes_a_truncated_array_and_builds_first_turn_pairs(tmp_path):
@@ -345,33 +269,6 @@ def test_sharegpt_reader_decodes_a_truncated_array_and_builds_first_turn_pairs(t
     (pair,) = sharegpt_pairs(doc, None)
     assert (pair.instruction, pair.response) == (turns[0][2], turns[1][2])
     assert sharegpt_pairs(Document("sharegpt", "x", doc.text, turns[::-1]), None) == []   # must start with the user
-
-
-def test_pack_refuses_a_corpus_pretraining_would_repeat_too_often(tmp_path):
-    preset = tmp_path / "greedy.yaml"
-    preset.write_text(yaml.safe_dump(merge(MICRO, {"pretrain": {"steps": 100000}})))
-    env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python")}
-    run = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
-                         cwd=REPO, env=env, capture_output=True, text=True, errors="replace", timeout=300)
-    assert run.returncode != 0 and "MAX_EPOCHS" in run.stderr
-
-
-def test_pack_seed_makes_a_second_base_model_of_the_same_recipe(tmp_path):
-    """PACK_SEED=N packs the preset with seed N under its own run name; anything else is refused."""
-    preset = tmp_path / "micro.yaml"
-    preset.write_text(yaml.safe_dump(MICRO))
-    env = {**os.environ, "WORK_ROOT": str(tmp_path / "work"), "WHEELS": "0", "PYTHON": str(REPO / ".venv/bin/python"),
-           "PACK_SEED": "3"}
-    run = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry")],
-                         cwd=REPO, env=env, capture_output=True, text=True, errors="replace", timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    packed = yaml.safe_load((tmp_path / "carry" / "config.yaml").read_text())
-    assert packed["seed"] == 3 and packed["run"] == f"{MICRO['run']}-seed3"
-    assert packed["finetune"] == merge(BASE, MICRO)["finetune"]              # the recipe itself is unchanged
-    assert (tmp_path / "work" / f"{MICRO['run']}-seed3" / "data" / "manifest.json").is_file()
-    bad = subprocess.run(["bash", "workflow/scripts/pack_quality.sh", str(preset), str(tmp_path / "carry2")],
-                         cwd=REPO, env={**env, "PACK_SEED": "one"}, capture_output=True, text=True, errors="replace", timeout=300)
-    assert bad.returncode != 0 and "PACK_SEED='one'" in bad.stderr and not (tmp_path / "carry2" / "config.yaml").exists()
 
 
 def _fake_summary(arm: Arm, accs: dict[str, float]) -> dict:
