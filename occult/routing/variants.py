@@ -154,11 +154,11 @@ PROCESSES_PER_GPU_ENV = "OCCULT_PROCESSES_PER_GPU"
 
 
 def cap_gpu_memory_share(environ: dict | None = None) -> float | None:
-    """Where `OCCULT_PROCESSES_PER_GPU` = n > 1 (gpu_quality.sh sets it for its shards), cap this
-    process's CUDA caching allocator at 0.95/n of the GPU, so that it frees its cache and retries
-    before starving the processes beside it (session 9: one evaluation process held 85 GiB of an
+    """Where `OCCULT_PROCESSES_PER_GPU` = n > 1 (set it when n `--shard` processes share one GPU), cap
+    this process's CUDA caching allocator at 0.95/n of the GPU, so that it frees its cache and retries
+    before starving the processes beside it (uncapped, one evaluation process held 85 GiB of an
     H200 and its neighbour failed to allocate 3.6 GiB). Evaluation calls it; fine-tuning does not,
-    since a third of an H200 failed its full-module arms (session 10). Returns the fraction set, or None."""
+    since a third of an H200 failed its full-module arms. Returns the fraction set, or None."""
     import os
 
     raw = (os.environ if environ is None else environ).get(PROCESSES_PER_GPU_ENV, "")
