@@ -7,9 +7,11 @@ MegaBlocks on the cuBLAS build and its sparse MLP), MegaBlocks on the CUTLASS bu
 that run Tutel's kernels (Tutel, DeepSpeed with `use_tutel=1`). Each part is one sweep process
 (`--launch` then `-m occult.harness.sweep ...`, e.g. torchrun on GPUs) with the sweep's own
 arguments, writing a CSV of its own; the parts run in an order drawn from the seed (recorded in the
-sidecar) and their rows are merged into `--out`. A part that ends early leaves, for each point it
-did not write, a row `error: process exited with code N before this point` (the merge still
-succeeds: like a method that raises, a lost process is recorded, not fatal).
+sidecar) and their rows are merged into `--out`. A part whose process ends early (a crash, or
+`--part-timeout-s`) is started again on the points it has not written (`--skip-points`): the
+point it was on gets `error: process exited with code N during this point`, and after
+`--restarts` restarts every point still missing gets `error: process exited with code N before
+this point`. Like a method that raises, a lost process is recorded in the rows, not fatal.
 
     python -m occult.harness.sweep.parts --kind prefill --D 1 --routings synthetic uniform trace \\
         --trace results/.../routing_heldout_sample.npz --grouped-gemm-dir .thirdparty/baselines --out sweep.csv
@@ -30,12 +32,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from occult.harness.sweep.inputs import derive_seed
+from occult.harness.sweep.points import method_order, order_seed
 from occult.harness.sweep.run import build_parser, default_out_csv
 from occult.harness.sweep.settings import COLUMNS, DEFAULT_SIZES, FAIR_METHODS, SweepError, SweepSettings
 from occult.method_names import parse_method
 
 MAIN = "main"
-OWN_OPTIONS = ("methods", "out", "launch", "part_timeout_s")
+OWN_OPTIONS = ("methods", "out", "launch", "part_timeout_s", "restarts", "skip_points")
+Point = tuple[str, str, int, str]      # (routing, shape, tokens_per_gpu, method)
 
 
 def process_key(name: str) -> str:
@@ -71,6 +75,8 @@ def build_parts_parser() -> argparse.ArgumentParser:
                              "`torchrun --nproc_per_node=D` on cuda, this python on cpu)")
     parser.add_argument("--part-timeout-s", type=float, default=0.0,
                         help="wall-clock limit of each part's process (0: none)")
+    parser.add_argument("--restarts", type=int, default=8,
+                        help="times a part's process is started again after it ended early (default 8)")
     return parser
 
 
@@ -109,40 +115,78 @@ def run_parts(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
                       dtype=args.dtype, timing=args.timing, grouped_gemm_dir=args.grouped_gemm_dir).validate()
     launch = shlex.split(args.launch) if args.launch else (
         ["torchrun", f"--nproc_per_node={world}"] if args.device == "cuda" else [sys.executable])
-    common = sweep_argv(parser, args)
-    if args.D is None:
-        common += ["--D", str(world)]
+    common = sweep_argv(parser, args) + ([] if args.D else ["--D", str(world)])
     order = part_order(list(parts), args.seed, args.kind, world)
+    fields = {"kind": args.kind, "D": world, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
+              "timing": args.timing, "seq_len": args.seq_len if args.kind == "train" else None}
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.stem}.parts", dir=out.parent))
-    frames, records, failed = [], [], 0
+    frames, records = [], []
     try:
         for position, key in enumerate(order):
-            csv = scratch / f"part{position}.csv"
-            command = [*launch, "-m", "occult.harness.sweep", *common, "--methods", *parts[key], "--out", str(csv)]
-            print(f"== part {position + 1}/{len(order)} ({key}): {shlex.join(command)}", flush=True)
-            code = _run(command, args.part_timeout_s)
-            frame = pd.read_csv(csv) if csv.is_file() else pd.DataFrame(columns=list(COLUMNS))
-            if code:
-                failed += 1
-                frame = pd.concat([frame, missing_rows(frame, args, parts[key], sizes, world, code,
-                                                       shlex.join(command))], ignore_index=True)
+            print(f"== part {position + 1}/{len(order)}: {key}", flush=True)
+            sequence = point_sequence(args, parts[key], sizes, world)
+            frame, runs = run_part(launch, common, parts[key], sequence, scratch / f"part{position}",
+                                   args.part_timeout_s, args.restarts, fields)
             frames.append(frame)
-            records.append({"part": key, "position": position, "methods": parts[key], "returncode": code,
-                            "command": shlex.join(command),
-                            "meta": _read_json(Path(str(csv) + ".meta.json"))})
+            records.append({"part": key, "position": position, "methods": parts[key], "processes": runs})
         merged = pd.concat(frames, ignore_index=True)[list(COLUMNS)]
-        meta = {"commit": git_commit(), "stage": "sweep", "command": shlex.join(["python -m occult.harness.sweep.parts",
-                                                                                    *argv]),
-                "settings": {**vars(args), "out": str(out)}, "part_order_seed": derive_seed(args.seed, "parts",
-                                                                                          args.kind, world),
-                "parts": records}
+        meta = {"commit": git_commit(), "stage": "sweep",
+                "command": shlex.join(["python -m occult.harness.sweep.parts", *argv]),
+                "settings": {**vars(args), "out": str(out)},
+                "part_order_seed": derive_seed(args.seed, "parts", args.kind, world), "parts": records}
         write_csv(out, merged, meta=json.loads(json.dumps(meta, default=str)))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    print(f"sweep parts: {len(order)} processes, {failed} ended early (their missing points are error rows); "
+    lost = sum(1 for record in records for run in record["processes"] if run["returncode"])
+    print(f"sweep parts: {len(order)} parts, {lost} processes ended early (their points are error rows); "
           f"{len(merged)} rows in {out}", flush=True)
     return 0
+
+
+def point_sequence(args: argparse.Namespace, methods: Sequence[str], sizes: Sequence[int],
+                   world: int) -> list[Point]:
+    """A part's points in the order its process runs them (routing, shape, size, then the seeded
+    method order of the point)."""
+    settings = SweepSettings(kind=args.kind, shapes=tuple(args.shapes), methods=tuple(methods), world=world,
+                             sizes=tuple(sizes), out_csv="", seq_len=args.seq_len)
+    return [(routing, shape, settings.tokens_per_gpu(size), name)
+            for routing in args.routings for shape in args.shapes for size in sizes
+            for name in method_order(methods, order_seed(args.seed, routing, shape, size))]
+
+
+def run_part(launch: list[str], common: list[str], methods: Sequence[str], sequence: list[Point], stem: Path,
+             timeout_s: float, restarts: int, fields: dict[str, Any]):
+    """Run one part's process, restarting it on the points not yet written after a crash; returns
+    its rows (error rows for lost points included, with the run's `fields`) and a record of each process."""
+    import pandas as pd
+
+    from occult.harness.sweep.run import POINT_COLUMNS
+
+    frames, runs = [], []
+    done: set[Point] = set()
+    for attempt in range(restarts + 1):
+        csv, skip = Path(f"{stem}_{attempt}.csv"), Path(f"{stem}_{attempt}_skip.csv")
+        command = [*launch, "-m", "occult.harness.sweep", *common, "--methods", *methods, "--out", str(csv)]
+        if done:
+            pd.DataFrame(sorted(done), columns=list(POINT_COLUMNS)).to_csv(skip, index=False)
+            command += ["--skip-points", str(skip)]
+        print(f"   {shlex.join(command)}", flush=True)
+        code = _run(command, timeout_s)
+        written = pd.read_csv(csv) if csv.is_file() else pd.DataFrame(columns=list(COLUMNS))
+        frames.append(written)
+        done |= {(str(r), str(s), int(t), str(m))
+                 for r, s, t, m in written[list(POINT_COLUMNS)].itertuples(index=False)}
+        runs.append({"attempt": attempt, "returncode": code, "command": shlex.join(command), "rows": len(written),
+                     "meta": _read_json(Path(str(csv) + ".meta.json"))})
+        missing = [point for point in sequence if point not in done]
+        if not code or not missing:
+            break
+        lost = missing[:1] if attempt < restarts else missing
+        status = "during this point (started again after it)" if attempt < restarts else "before this point"
+        frames.append(error_rows(lost, code, status, shlex.join(command), fields))
+        done |= set(lost)
+    return pd.concat(frames, ignore_index=True), runs
 
 
 def _run(command: list[str], timeout_s: float) -> int:
@@ -156,26 +200,15 @@ def _read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def missing_rows(done, args: argparse.Namespace, methods: Sequence[str], sizes: Sequence[int], world: int,
-                 code: int, command: str):
-    """Rows for the points of a part that ended before writing them (status names the exit code)."""
+def error_rows(points: Sequence[Point], code: int, when: str, command: str, fields: dict[str, Any]):
+    """Rows for points a part's process did not write: `error: process exited with code N <when>`."""
     import pandas as pd
 
-    settings = SweepSettings(kind=args.kind, shapes=tuple(args.shapes), methods=tuple(methods), world=world,
-                             sizes=tuple(sizes), out_csv="", seq_len=args.seq_len)
-    have = set(zip(done["routing"], done["shape"], done["method"], done["tokens_per_gpu"])) if len(done) else set()
-    rows = []
-    for routing in args.routings:
-        for shape in args.shapes:
-            for name in methods:
-                for size in sizes:
-                    tokens = settings.tokens_per_gpu(size)
-                    if (routing, shape, name, tokens) in have:
-                        continue
-                    rows.append({"command": command, "kind": args.kind, "shape": shape, "method": name, "D": world,
-                                 "tokens_per_gpu": tokens, "batch": settings.batch(size), "dtype": args.dtype,
-                                 "seq_len": args.seq_len if args.kind == "train" else None, "routing": routing,
-                                 "status": f"error: process exited with code {code} before this point"})
+    seq_len = fields.get("seq_len")
+    rows = [{**fields, "command": command, "routing": routing, "shape": shape, "tokens_per_gpu": tokens,
+             "batch": None if fields["kind"] == "prefill" else tokens // (seq_len or 1), "method": name,
+             "status": f"error: process exited with code {code} {when}"}
+            for routing, shape, tokens, name in points]
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 

@@ -96,22 +96,29 @@ def shape_fields(shape: MoEShape, settings: SweepSettings) -> dict[str, Any]:
 
 
 def sweep_shape(settings: SweepSettings, shape: MoEShape, routing: str, device: torch.device, dtype: torch.dtype,
-                backend: str, fixed: dict[str, Any], emit: Emit, bar) -> None:
-    """Every (size, method) point of one routing and shape, the methods in a seeded order per size."""
+                backend: str, fixed: dict[str, Any], emit: Emit, bar, skip: frozenset[tuple] = frozenset()) -> None:
+    """Every (size, method) point of one routing and shape, the methods in a seeded order per size;
+    points in `skip` ((routing, shape, tokens_per_gpu, method), written by an earlier process) are left out."""
     base = {**fixed, **shape_fields(shape, settings), "routing": routing}
+    todo = {(size, name) for size in settings.sizes for name in settings.methods
+            if (routing, shape.name, settings.tokens_per_gpu(size), name) not in skip}
+    bar.update(len(settings.sizes) * len(settings.methods) - len(todo))
+    if not todo:
+        return
     try:
         run = prepare_shape(settings, shape, routing, device, dtype, backend)
     except TraceShapeError as err:
-        for size in settings.sizes:
-            for name in settings.methods:
-                emit({**base, **_size_fields(settings, size), "method": name,
-                      "baseline_config": build_method(name, None, backend).config,
-                      "status": f"unsupported: routing trace: {err}"})
-                bar.update(1)
+        for size, name in sorted(todo, key=lambda point: (settings.sizes.index(point[0]), settings.methods.index(point[1]))):
+            emit({**base, **_size_fields(settings, size), "method": name,
+                  "baseline_config": build_method(name, None, backend).config,
+                  "status": f"unsupported: routing trace: {err}"})
+            bar.update(1)
         return
     for size in settings.sizes:
         seed = order_seed(settings.seed, routing, shape.name, size)
         for position, name in enumerate(method_order(settings.methods, seed)):
+            if (size, name) not in todo:
+                continue
             row = {**base, **_size_fields(settings, size), "method": name, "order_seed": seed,
                    "order_position": position}
             row.update(run_point(run, name, size))

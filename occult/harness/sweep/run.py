@@ -126,15 +126,31 @@ def _sweep(settings: SweepSettings) -> list[dict[str, Any]]:
 
             write_csv(settings.out_csv, pd.DataFrame(rows, columns=list(COLUMNS)), meta=meta)
 
+    skip = read_points(settings.skip_points) if settings.skip_points else frozenset()
     total = len(settings.routings) * len(settings.shapes) * len(settings.methods) * len(settings.sizes)
     bar = progress(total, desc=f"sweep {settings.kind} D={world}", unit="point", disable=rank != 0, every_s=0)
     for routing in settings.routings:
         for shape_name in settings.shapes:
-            sweep_shape(settings, get_shape(shape_name), routing, device, dtype, backend, fixed, emit, bar)
+            sweep_shape(settings, get_shape(shape_name), routing, device, dtype, backend, fixed, emit, bar, skip)
     bar.close()
     if rank == 0:
         print_table(rows)
     return rows
+
+
+POINT_COLUMNS = ("routing", "shape", "tokens_per_gpu", "method")
+
+
+def read_points(path: str | Path) -> frozenset[tuple[str, str, int, str]]:
+    """The points (routing, shape, tokens_per_gpu, method) listed in a CSV with those columns
+    (any sweep CSV will do: the points an earlier process wrote)."""
+    import pandas as pd
+
+    frame = pd.read_csv(path)
+    missing = [c for c in POINT_COLUMNS if c not in frame.columns]
+    if missing:
+        raise SweepError(f"skip_points: {path} has no column(s) {missing}")
+    return frozenset((str(r), str(s), int(t), str(m)) for r, s, t, m in frame[list(POINT_COLUMNS)].itertuples(index=False))
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -189,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder of the grouped_gemm builds gg-cublas/ and gg-cutlass/ "
                              "(tools/build_baselines.sh); the one MegaBlocks' methods ask for goes first on "
                              "sys.path (default: grouped_gemm as installed)")
+    parser.add_argument("--skip-points", default="", metavar="CSV",
+                        help="leave out the points (routing, shape, tokens_per_gpu, method) this CSV lists: "
+                             "those an earlier process of the same sweep wrote")
     parser.add_argument("--timing", choices=TIMINGS, default="step",
                         help="step: the GPU drained before each timed step (default); stream: "
                              f"{STREAM_BLOCKS} blocks of --repeats steps issued back to back, ms per step")
@@ -222,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         seq_len=args.seq_len, input_sets=args.input_sets, check_tokens=args.check_tokens,
         occult_backend=args.occult_backend, include_shared=not args.no_shared, command=command,
         routings=tuple(args.routings), trace=args.trace, host_profile=args.host_profile, timing=args.timing,
-        grouped_gemm_dir=args.grouped_gemm_dir,
+        grouped_gemm_dir=args.grouped_gemm_dir, skip_points=args.skip_points,
     )
     settings.validate()
     run_in_group(lambda: _sweep(settings), args.device, world, args.timeout_s, error=SweepError)

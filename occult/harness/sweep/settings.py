@@ -75,6 +75,7 @@ class SweepSettings:
     host_profile: str = ""
     timing: str = "step"
     grouped_gemm_dir: str = ""       # holds gg-cublas/ and gg-cutlass/ (tools/build_baselines.sh); "": as installed
+    skip_points: str = ""            # CSV of points (routing, shape, tokens_per_gpu, method) not to run
 
     def validate(self) -> None:
         if self.kind not in KINDS:
@@ -99,6 +100,8 @@ class SweepSettings:
             raise SweepError(f"timing: {self.timing!r} is not one of {TIMINGS}")
         if "trace" in self.routings and not Path(self.trace).is_file():
             raise SweepError(f"trace: routing trace needs a routing_*.npz file, got {self.trace!r}")
+        if self.skip_points and not Path(self.skip_points).is_file():
+            raise SweepError(f"skip_points: {self.skip_points!r} is not a file")
         mode = self.grouped_gemm_mode()
         if self.grouped_gemm_dir and mode and not (Path(self.grouped_gemm_dir) / f"gg-{mode}" / "grouped_gemm").is_dir():
             raise SweepError(f"grouped_gemm_dir: {self.grouped_gemm_dir} has no gg-{mode}/grouped_gemm "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import textwrap
 
 import pandas as pd
 
@@ -26,33 +25,60 @@ def test_methods_that_cannot_share_a_process_get_their_own():
     assert parts.part_order(keys, 3, "prefill", 1) == parts.part_order(keys, 3, "prefill", 1)
 
 
-def test_a_part_that_dies_leaves_error_rows_and_the_others_are_merged(tmp_path):
+LAUNCHER = """
+import os, runpy, sys
+from pathlib import Path
+args = sys.argv[1:]                       # -m occult.harness.sweep ...
+if "tutel" in args:                       # the Tutel part dies at once, every time
+    sys.exit(7)
+marker = Path({marker!r})
+if "naive" in args and not marker.exists():
+    import occult.harness.sweep.points as points
+    real = points.run_point
+    def crash(run, name, size):           # the main part dies once, on one point
+        if (run.routing, name, size) == ("synthetic", "naive", 5):
+            marker.touch()
+            os._exit(9)
+        return real(run, name, size)
+    points.run_point = crash
+sys.argv = ["occult.harness.sweep", *args[2:]]
+runpy.run_module("occult.harness.sweep", run_name="__main__")
+"""
+
+
+def test_a_part_that_dies_is_started_again_and_every_point_gets_a_row(tmp_path):
     launcher = tmp_path / "launch.py"
-    launcher.write_text(textwrap.dedent("""
-        import os, sys
-        if "tutel" in sys.argv:            # the Tutel part dies before writing a row
-            sys.exit(7)
-        os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
-    """))
+    launcher.write_text(LAUNCHER.format(marker=str(tmp_path / "crashed")))
     out = tmp_path / "runs" / "sweep_decode_D1_synthetic.csv"
     methods = ["occult", "naive", "megablocks:grouped_gemm=cutlass", "tutel", "deepspeed:use_tutel=1"]
     code = parts.main(["--device", "cpu", "--dtype", "float32", "--D", "1", "--kind", "decode", "--shapes", "tiny",
                        "--sizes", "2", "5", "--repeats", "1", "--warmup", "0", "--routings", "synthetic", "uniform",
-                       "--methods", *methods, "--launch", f"{sys.executable} {launcher}", "--out", str(out)])
+                       "--methods", *methods, "--launch", f"{sys.executable} {launcher}", "--restarts", "1",
+                       "--out", str(out)])
     assert code == 0
     frame = pd.read_csv(out)
     assert list(frame.columns) == list(settings.COLUMNS)
-    assert len(frame) == 2 * len(methods) * 2                     # routings x methods x sizes
+    assert len(frame) == 2 * len(methods) * 2                     # routings x methods x sizes, each once
     assert not frame.duplicated(["routing", "method", "batch"]).any()
-    status = frame.groupby("method")["status"].agg(set)
-    assert status["occult"] == status["naive"] == {"ok"}
-    assert status["tutel"] == status["deepspeed:use_tutel=1"] == {"error: process exited with code 7 before this point"}
-    assert len(status["megablocks:grouped_gemm=cutlass"]) == 1      # its own process ran (unavailable on a CPU)
-    assert frame.loc[frame["method"] == "naive", "command"].str.contains("--methods occult naive").all()
+    status = frame.set_index(["routing", "method", "batch"])["status"]
+    crashed = status[("synthetic", "naive", 5)]
+    assert crashed.startswith("error: process exited with code ") and crashed.endswith("during this point "
+                                                                                     "(started again after it)")
+    main = frame[frame["method"].isin(["occult", "naive"])].drop(frame.index[(frame["routing"] == "synthetic")
+                                                                           & (frame["method"] == "naive")
+                                                                           & (frame["batch"] == 5)])
+    assert (main["status"] == "ok").all(), main[["routing", "method", "batch", "status"]]
+    tutel = frame[frame["method"].isin(["tutel", "deepspeed:use_tutel=1"])]["status"]
+    assert tutel.str.startswith("error: process exited with code 7 ").all()
+    assert tutel.str.endswith("during this point (started again after it)").sum() == 1   # the first, then
+    assert tutel.str.endswith("before this point").sum() == len(tutel) - 1               # the restart gave up
+    assert len(frame.loc[frame["method"] == "megablocks:grouped_gemm=cutlass", "status"].unique()) == 1
 
     meta = json.loads((out.parent / (out.name + ".meta.json")).read_text())
     ran = {record["part"]: record for record in meta["parts"]}
     assert set(ran) == {parts.MAIN, "grouped_gemm=cutlass", "tutel"}
-    assert ran["tutel"]["returncode"] == 7 and ran[parts.MAIN]["returncode"] == 0
+    assert [p["returncode"] != 0 for p in ran[parts.MAIN]["processes"]] == [True, False]
+    assert "--skip-points" in ran[parts.MAIN]["processes"][1]["command"]
+    assert [p["returncode"] for p in ran["tutel"]["processes"]] == [7, 7]
     assert sorted(record["position"] for record in meta["parts"]) == [0, 1, 2]
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name, out.name + ".meta.json"]   # no part left over

@@ -40,6 +40,7 @@ def sweep_settings(**fields) -> settings.SweepSettings:
     ({"routings": ("measured",)}, "routings: need distinct"),
     ({"routings": ("uniform", "trace")}, "trace: routing trace needs"),
     ({"methods": ("megablocks:grouped_gemm=cutlass",), "grouped_gemm_dir": "."}, "grouped_gemm_dir: . has no gg-cutlass"),
+    ({"skip_points": "no-such.csv"}, "skip_points: 'no-such.csv' is not a file"),
 ])
 def test_bad_settings_are_named(fields, why):
     with pytest.raises(settings.SweepError, match=why):
