@@ -67,8 +67,8 @@ class OccultEP(Method):
         return [self.w_gate_up, self.w_down]
 
     def teardown(self) -> None:
-        """Drop the graphs, received-row buffers and expert weights. Up to `sweeps_v39` the weights
-        stayed referenced, so every later method's `peak_mem_gib` counted one more copy of them."""
+        """Drop the graphs, received-row buffers and expert weights (a later method's `peak_mem_gib`
+        must not count them)."""
         self._graphs, self._received = {}, {}
         super().teardown()
 

@@ -72,7 +72,9 @@ def prepare_shape(settings: SweepSettings, shape: MoEShape, routing: str, device
     train = settings.kind == "train"
     router = make_router(settings, shape, routing)
     weights = ExpertWeights.random(shape, derive_seed(settings.seed, "experts", shape.name), device, dtype)
-    weights = ExpertWeights(weights.w_gate_up_E2FD.cpu(), weights.w_down_EDF.cpu())
+    # On the host (so that no method's peak memory counts them), pinned: every point copies its shard in.
+    host = (lambda t: t.cpu().pin_memory()) if device.type == "cuda" else (lambda t: t.cpu())  # noqa: E731
+    weights = ExpertWeights(host(weights.w_gate_up_E2FD), host(weights.w_down_EDF))
     shared = (SharedExpert(shape, settings.seed, device, dtype)
               if settings.include_shared and shape.shared_ffn else None)
     specs = [parse_method(m) for m in settings.methods]

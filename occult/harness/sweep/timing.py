@@ -20,12 +20,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-HOST_PROBE_ITERS = 4000     # ≈ 0.2 ms of pure Python on the lent H200 machines' CPUs
+HOST_PROBE_ITERS = 4000     # ≈ 0.2 ms of pure Python on an H200 machine's host CPU
 
 
 def host_probe_us(iters: int = HOST_PROBE_ITERS) -> float:
     """Microseconds of a fixed pure-Python loop (no torch, no GPU): the host CPU's single-thread speed
-    now. On the lent H200 VMs it moved 1.0 -> 2.1 ms per 20k iterations within seconds, and an eager
+    now. On H200 virtual machines it moved 1.0 -> 2.1 ms per 20k iterations within seconds, and an eager
     layer call's host time moved with it (`occult.harness.host_probe`,
     `results/nvidia-h200/host_probe_v1`); the simulator scales host terms by it (docs/simulator.md)."""
     begin = time.perf_counter()
