@@ -60,6 +60,13 @@ class LogLogCurve:
             return float(self.y[-1] * (value / self.x[-1] if self.extend == "proportional" else 1.0))
         return float(np.exp(np.interp(np.log(value), np.log(self.x), np.log(self.y))))
 
+    def many(self, values: np.ndarray) -> np.ndarray:
+        """`self(v)` for every element of `values` (any shape), vectorised."""
+        values = np.asarray(values, dtype=np.float64)
+        inside = np.exp(np.interp(np.log(np.clip(values, self.x[0], self.x[-1])), np.log(self.x), np.log(self.y)))
+        above = self.y[-1] * (values / self.x[-1] if self.extend == "proportional" else 1.0)
+        return np.where(values >= self.x[-1], above, inside)
+
 
 def builtin_alltoall_curve() -> LogLogCurve:
     """The shipped 2-GPU table (`occult.sim.builtin_alltoall`) as time vs remote bytes per rank
@@ -212,6 +219,19 @@ class CostModel:
     # (family, kind, D, shape name) -> that shape's host ms above (or below) its family's eager terms
     # at the same D, at the typical host speed (`calibrate_shape_host`; not calibrated: 0)
     host_shape_ms: dict[tuple[str, str, int, str], float] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, path: str) -> "CostModel":
+        """The model a simulate stage wrote (`cost_model.json`, `occult.sim.cost_model_json`)."""
+        from occult.sim.cost_model_json import read_cost_model
+
+        return read_cost_model(path)[0]
+
+    def to_json(self, path: str, source: dict) -> None:
+        """This model and where it came from, as `from_json` reads it."""
+        from occult.sim.cost_model_json import write_cost_model
+
+        write_cost_model(path, self, source)
 
     def graph_host_for(self, pass_: str, num_devices: int) -> float:
         """The replay launch's host ms at this D, else at the largest calibrated D below it, else 0."""

@@ -18,6 +18,7 @@ from occult.harness.baselines import get_shape
 from occult.logs import ENV_LOG_JSON, run_main
 from occult.sim.builtin_alltoall import BUILTIN_ALLTOALL_SOURCE
 from occult.sim.calibration import build_cost_model
+from occult.sim.cost_model_json import cost_model_source, write_cost_model
 from occult.sim.figures import plot_speedup, plot_validation, print_summary
 from occult.sim.measured import host_scale_of_set, read_measured
 from occult.sim.predict import RecordedRequest, cost_summary, predict, predict_recorded, sweep_points
@@ -27,8 +28,9 @@ from occult.sim.validation import history_tables, validate
 
 def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | None,
                  config_hash: str | None = None, recorded: RecordedRequest | None = None) -> dict[str, Path]:
-    """Validation table, scale predictions and the sweep's sizes at `prediction_devices` (+ figures), and with `recorded`
-    the predictions on a recorded trace, with the same calibrated model; returns the paths."""
+    """Validation table, scale predictions and the sweep's sizes at `prediction_devices` (+ figures), the
+    calibrated model (`cost_model.json`), and with `recorded` the predictions on a recorded trace, with the
+    same calibrated model; returns the paths."""
     from occult.provenance import provenance, seed_everything, write_csv
 
     seed_everything(seed)
@@ -60,6 +62,8 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
     write_csv(paths["history"], history, meta=meta)
     write_csv(paths["predictions"], predictions, meta=meta)
     write_csv(paths["predictions_D4_D8"], at_sweep_sizes, meta=meta)
+    paths["cost_model"] = out_dir / "cost_model.json"
+    write_cost_model(paths["cost_model"], cost, cost_model_source(settings, meta))
     if recorded is not None:
         paths["trace"] = recorded.out
         write_csv(recorded.out, predict_recorded(recorded.profile_dir, recorded.name, recorded.shape, recorded.layers,

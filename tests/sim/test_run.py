@@ -6,6 +6,7 @@ import pytest
 
 from occult.harness.baselines import get_shape
 from occult.sim.columns import PREDICTION_COLUMNS, SimulateError
+from occult.sim.cost_model_json import read_cost_model
 from occult.sim.predict import RecordedRequest
 from occult.sim.run import run_simulate
 from tests.sim.test_measured import fake_sweep, gemm_csv, settings
@@ -27,6 +28,8 @@ def test_run_simulate_writes_tables_and_figures(tmp_path):
                           "uncalibrated: no naive train points in simulate.calibration"}
     meta = paths["validation"].with_name("validation.csv.meta.json")
     assert meta.exists() and "host" in meta.read_text()
+    model, source = read_cost_model(paths["cost_model"])          # the calibrated model, for the placement
+    assert model.kernel_tflops is not None and source["calibration"] == [path]
     for key in ("fig_speedup", "fig_validation"):
         assert paths[key].stat().st_size > 1000
 

@@ -15,6 +15,7 @@ rule simulate_scale:
         history=f"{RESULTS}/simulate/validation_history.csv",
         predictions=f"{RESULTS}/simulate/predictions.csv",
         predictions_D4_D8=f"{RESULTS}/simulate/predictions_D4_D8.csv",
+        cost_model=f"{RESULTS}/simulate/cost_model.json",
         fig_speedup=report(f"{FIGURES}/simulate_speedup.png", category="Scale simulator", caption="../report/simulate.rst"),
         fig_validation=report(
             f"{FIGURES}/simulate_validation.png", category="Scale simulator", caption="../report/simulate.rst"
