@@ -60,6 +60,8 @@ class ModelConfig:
     max_seq_len: int
     experts_kernel: str = "grouped"     # "triton": the EP runtime's fused kernels (GPU), occult.models.moe
     router_noise: float = 0.0           # upcycle: noise on the tied group router rows (occult.models.upcycle)
+    upcycle_init: str = "virtual_groups"   # upcycle: virtual_groups (exact) or drop (no groups), occult.models.upcycle
+    drop_ratio: float = 0.5             # upcycle_init drop: share of each expert's units redrawn
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,13 @@ class PretrainConfig:
     lr: float
     warmup_steps: int
     router_aux_loss: float
+    seed: int | None = None             # the base model's seed (initial draws, data order); None: the top-level seed
+    target_heldout_ppl: float | None = None   # stop once the held-out perplexity reaches it (steps: the budget)
+    eval_every: int | None = None       # steps between held-out evaluations; None: steps // 5
+
+    def base_seed(self, seed: int) -> int:
+        """The seed of the base model: `seed` unless `pretrain.seed` sets its own."""
+        return seed if self.seed is None else self.seed
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,8 @@ class FinetuneConfig:
     seq_len: int
     lr: float
     quality_grid: bool = False          # also every arm of occult.routing.variants.quality_arms (presets mini, upcycle)
+    quality_arms: str = "full"          # full: every arm of quality_arms; core: D = finetune.devices only
+    base_seeds: tuple[int, ...] = ()    # the grid again on one base model per pretrain.seed (rule quality_base_grid)
 
 
 @dataclass(frozen=True)
@@ -318,6 +329,7 @@ def _check_semantics(cfg: Config) -> None:
         _check_upcycle(m)
     elif m.hidden_size % m.num_heads:
         raise ConfigError(f"model.num_heads: {m.num_heads} does not divide model.hidden_size {m.hidden_size}")
+    _check_init(cfg)
     experts, top_k = checkpoint_moe_shape(m)
     if top_k > experts:
         raise ConfigError(f"model.top_k: {top_k} exceeds model.num_experts {experts}")
@@ -352,6 +364,23 @@ def _check_semantics(cfg: Config) -> None:
             raise ConfigError("simulate.kernel_stream_csv: set it or simulate.kernel_stream_gbps, not both "
                               "(the rate is either fitted from the file or given)")
         cfg.simulate.input_files()      # every $folder is known
+
+
+def _check_init(cfg: Config) -> None:
+    """Upcycling keys only where they act, and the quality grid's base models only with the grid."""
+    m = cfg.model
+    if m.upcycle_init != "virtual_groups" and m.source != "upcycle":
+        raise ConfigError(f"model.upcycle_init: {m.upcycle_init} needs model.source: upcycle, not {m.source}")
+    if m.router_noise and m.upcycle_init != "virtual_groups":
+        raise ConfigError("model.router_noise: only for model.upcycle_init: virtual_groups (drop draws independent router rows)")
+    ft = cfg.finetune
+    if ft.base_seeds and not ft.quality_grid:
+        raise ConfigError("finetune.base_seeds: the quality grid's base models need finetune.quality_grid: true")
+    if ft.base_seeds and m.source not in ("scratch", "upcycle"):
+        raise ConfigError(f"finetune.base_seeds: base models are pre-trained here; model.source is {m.source}")
+    target = cfg.pretrain.target_heldout_ppl
+    if target is not None and cfg.pretrain.steps == 0:
+        raise ConfigError("pretrain.target_heldout_ppl: pretrain.steps is 0, so no step could reach it")
 
 
 def _check_upcycle(m: ModelConfig) -> None:

@@ -83,3 +83,40 @@ def test_variant_names():
     assert parse_variant("sft").max_devices is None
     with pytest.raises(ConfigError, match="finetune.variants"):
         parse_variant("prune-x")
+
+
+def test_base_model_and_grid_keys_are_checked():
+    bad({"model": {"upcycle_init": "copies"}}, "model.upcycle_init")
+    bad({"model": {"upcycle_init": "drop"}}, "model.upcycle_init")           # the default model is trained from scratch
+    bad({"model": {"drop_ratio": 1.5}}, "model.drop_ratio")
+    bad({"pretrain": {"seed": -1}}, "pretrain.seed")
+    bad({"pretrain": {"target_heldout_ppl": 0.5}}, "pretrain.target_heldout_ppl")
+    bad({"pretrain": {"steps": 0, "target_heldout_ppl": 5.0}}, "pretrain.target_heldout_ppl")
+    bad({"pretrain": {"eval_every": 0}}, "pretrain.eval_every")
+    bad({"finetune": {"quality_arms": "some"}}, "finetune.quality_arms")
+    bad({"finetune": {"base_seeds": [0, 1]}}, "finetune.base_seeds")         # without the quality grid
+    bad({"finetune": {"quality_grid": True, "base_seeds": [1, 1]}}, "finetune.base_seeds")
+    cfg = load_config(merge(DEFAULT, {"pretrain": {"seed": 3, "target_heldout_ppl": 9.5, "eval_every": 7},
+                                      "finetune": {"quality_grid": True, "quality_arms": "core", "base_seeds": [0, 2]}}))
+    assert cfg.pretrain.base_seed(cfg.seed) == 3 and cfg.finetune.base_seeds == (0, 2)
+    assert load_config(DEFAULT).pretrain.base_seed(5) == 5
+
+
+def test_the_drop_preset_is_the_upcycle_preset_with_another_initialisation():
+    """Same data, model sizes, profiling, placement, fine-tuning recipe and seed; only the
+    initialisation, the pre-training length (a perplexity target within a budget) and the grid differ."""
+    vg = yaml.safe_load(open("config/presets/upcycle.yaml"))
+    drop = yaml.safe_load(open("config/presets/upcycle-drop.yaml"))
+    for section in ("data", "profile", "placement", "evaluate", "bench"):
+        assert drop[section] == vg[section], section
+    assert drop.get("seed") == vg.get("seed")
+    changed = {"upcycle_init", "drop_ratio", "router_noise"}
+    assert {k: v for k, v in drop["model"].items() if k not in changed} == \
+           {k: v for k, v in vg["model"].items() if k not in changed}
+    assert drop["model"]["upcycle_init"] == "drop" and vg["model"].get("upcycle_init", "virtual_groups") == "virtual_groups"
+    kept = {"batch_size", "seq_len", "lr", "warmup_steps", "router_aux_loss"}
+    assert {k: drop["pretrain"][k] for k in kept} == {k: vg["pretrain"][k] for k in kept}
+    assert drop["pretrain"]["steps"] >= vg["pretrain"]["steps"] and drop["pretrain"]["target_heldout_ppl"] > 1
+    recipe = {"devices", "variants", "steps", "batch_size", "seq_len", "lr"}
+    assert {k: drop["finetune"][k] for k in recipe} == {k: vg["finetune"][k] for k in recipe}
+    assert len(drop["finetune"]["base_seeds"]) >= 2

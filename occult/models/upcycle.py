@@ -9,8 +9,19 @@ by k, the MoE layer computes exactly the dense FFN for every token, whichever gr
 other weights (embeddings, attention, norms) are copied. The upcycled model therefore starts
 with the dense model's ability; continued pre-training breaks the ties and lets the copies
 specialise. Groups are strided (expert `j` is shard `j // G` of group `j % G`, G = E/k), so the
-contiguous placement spreads every group over all devices and any co-activation structure a
-placement finds must be learned, not inherited from expert numbering.
+contiguous placement spreads every group over all devices; a placement that gathers them recovers
+the groups, and routing that still follows them after training is measured by
+`occult.routing.inheritance`.
+
+`init="drop"` builds experts without any group structure (drop-upcycling, Nakamura et al., ICLR
+2025, adapted to fine-grained experts; docs/notes/learned-groups.md): each expert takes its own
+uniformly random F/k of the dense FFN's F hidden units (independently of every other expert, so no
+set of experts reproduces the FFN better than another), then a share `drop_ratio` of that expert's
+units is re-initialised: their rows of the gate and up projections and their column of the down
+projection are drawn from a normal distribution with the mean and standard deviation of the values
+they replace (per matrix). Down projections are scaled by k as above, so with renormalised top-k
+weights the layer is an unbiased (not exact) estimate of the dense FFN when `drop_ratio` is 0.
+Router rows are independent draws of N(0, router_std^2): nothing ties experts together.
 
 `dense_from_gguf` builds the dense `LlamaForCausalLM` the MoE is compared against.
 GGUF files from llama.cpp's converter store the Q and K projections with each head's rows
@@ -109,14 +120,20 @@ def dense_from_gguf(path: str | Path, *, max_seq_len: int, token_ids: dict[str, 
     return model.eval()
 
 
+UPCYCLE_INITS = ("virtual_groups", "drop")
+
+
 def upcycle_gguf(path: str | Path, *, num_experts: int, top_k: int, max_seq_len: int,
                  token_ids: dict[str, int | None], seed: int, router_std: float = 0.02,
-                 router_noise: float = 0.0, router_aux_loss: float = 0.01):
+                 router_noise: float = 0.0, router_aux_loss: float = 0.01, init: str = "virtual_groups",
+                 drop_ratio: float = 0.5):
     """A `MixtralForCausalLM` with `num_experts` experts (top-`top_k`) upcycled from a dense GGUF.
 
-    `router_std` is the spread of the E/k group router rows; `router_noise` adds independent
-    noise of that std (relative to `router_std`) to every row, which breaks the exact equality
-    with the dense model (0 keeps it). Random draws use a private generator seeded with `seed`.
+    `init`: `virtual_groups` (exact, the module docstring) or `drop` (random unit subsets with a
+    share `drop_ratio` of each expert re-initialised, independent router rows). `router_std` is the
+    spread of the router rows; with virtual groups `router_noise` adds independent noise of that
+    std (relative to `router_std`) to every row, which breaks the exact equality with the dense
+    model (0 keeps it). Random draws use a private generator seeded with `seed`.
     """
     from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -127,6 +144,10 @@ def upcycle_gguf(path: str | Path, *, num_experts: int, top_k: int, max_seq_len:
                          "(upcycling puts k shards in each of E/k groups)")
     if shape.ffn % top_k:
         raise ValueError(f"model.top_k: {top_k} does not divide the dense FFN width {shape.ffn} of {reader.path}")
+    if init not in UPCYCLE_INITS:
+        raise ValueError(f"model.upcycle_init: {init!r} is not one of {', '.join(UPCYCLE_INITS)}")
+    if not 0.0 <= drop_ratio <= 1.0:
+        raise ValueError(f"model.drop_ratio: {drop_ratio} is not between 0 and 1")
     groups, shard = num_experts // top_k, shape.ffn // top_k
     cfg = MixtralConfig(intermediate_size=shard, num_local_experts=num_experts, num_experts_per_tok=top_k,
                         router_aux_loss_coef=router_aux_loss, output_router_logits=False,
@@ -146,6 +167,10 @@ def upcycle_gguf(path: str | Path, *, num_experts: int, top_k: int, max_seq_len:
         for i, layer in enumerate(model.model.layers):
             gate, up, down = (_t(a) for a in _ffn(reader, i))
             experts, router = layer.mlp.experts, layer.mlp.gate
+            if init == "drop":
+                _drop_experts(experts, gate, up, down, top_k, drop_ratio, gen)
+                router.weight.copy_(torch.randn(router.weight.shape, generator=gen) * router_std)
+                continue
             for j in range(num_experts):
                 rows = slice(int(expert_shard[j]) * shard, (int(expert_shard[j]) + 1) * shard)
                 experts.gate_up_proj[j].copy_(torch.cat([gate[rows], up[rows]], dim=0))
@@ -158,6 +183,33 @@ def upcycle_gguf(path: str | Path, *, num_experts: int, top_k: int, max_seq_len:
     model.model.rotary_emb.__init__(cfg)
     if shape.tied:
         model.tie_weights()
-    model.config.occult_upcycle = {"source": str(path), "groups": groups, "shard_ffn": shard,
-                                   "router_std": router_std, "router_noise": router_noise, "seed": seed}
+    record = {"source": str(path), "init": init, "shard_ffn": shard, "router_std": router_std, "seed": seed}
+    record.update({"drop_ratio": drop_ratio} if init == "drop" else {"groups": groups, "router_noise": router_noise})
+    model.config.occult_upcycle = record
     return model
+
+
+def _statistical_redraw(values: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Fresh normal values with the mean and standard deviation of `values` (same shape)."""
+    std = values.std() if values.numel() > 1 else values.new_zeros(())
+    return torch.randn(values.shape, generator=gen) * std + values.mean()
+
+
+def _drop_experts(experts: nn.Module, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, top_k: int,
+                  drop_ratio: float, gen: torch.Generator) -> None:
+    """Fill every expert of one layer from the dense FFN (gate, up: [F, d]; down: [d, F]): its own
+    random F/k units, a share `drop_ratio` of them redrawn statistically (`_statistical_redraw` per
+    matrix over the redrawn units' values), down projection scaled by k."""
+    width = gate.shape[0]
+    shard = width // top_k
+    redrawn = int(round(drop_ratio * shard))
+    for j in range(experts.gate_up_proj.shape[0]):
+        units = torch.randperm(width, generator=gen)[:shard]
+        g, u, d = gate[units].clone(), up[units].clone(), down[:, units].clone()
+        if redrawn:
+            fresh = torch.randperm(shard, generator=gen)[:redrawn]
+            g[fresh] = _statistical_redraw(g[fresh], gen)
+            u[fresh] = _statistical_redraw(u[fresh], gen)
+            d[:, fresh] = _statistical_redraw(d[:, fresh], gen)
+        experts.gate_up_proj[j].copy_(torch.cat([g, u], dim=0))
+        experts.down_proj[j].copy_(d * top_k)

@@ -100,6 +100,9 @@ class Arm:
                              "gate_weights": self.gate_weights, "train_modules": self.train_modules}}
 
 
+CORE_MAX_DEVICES = (1, 2)
+
+
 def quality_arms(cfg: Config, devices: tuple[int, ...] = (4, 8), max_devices: tuple[int, ...] = (1, 2, 4),
                  renormalised: tuple[str, ...] = ("prune2-sim", "prune1-sim"),
                  fully_trained: tuple[str, ...] = ("sft", "prune2-sim")) -> list[Arm]:
@@ -110,7 +113,11 @@ def quality_arms(cfg: Config, devices: tuple[int, ...] = (4, 8), max_devices: tu
     the gate ablation (`renormalised` variants with renormalised gates, against the kept gates
     of the same variant: `occult.routing.pruning` defines both for every router) and full fine-tuning
     (`fully_trained`) at the largest D. Every arm shares data, steps and seed.
+    With `finetune.quality_arms: core` the grid keeps D = `finetune.devices` and N_d in
+    CORE_MAX_DEVICES, with the gate ablation and without full fine-tuning (8 arms at D = 8).
     """
+    if cfg.finetune.quality_arms == "core":
+        devices, max_devices, fully_trained = (cfg.finetune.devices,), CORE_MAX_DEVICES, ()
     experts, k = cfg.num_experts, cfg.top_k
     usable = [d for d in devices if d in cfg.placement.devices and experts % d == 0]
     if not usable:

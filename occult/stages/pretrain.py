@@ -7,7 +7,12 @@ one token stream (documents in seeded random order, each followed by EOS) cut in
 (betas 0.9/0.95, weight decay 0.1 on matrices), linear warm-up then cosine decay to 10% of the peak
 rate, gradient clipping at 1.0, the Switch-style load-balancing loss of transformers weighted by
 `cfg.pretrain.router_aux_loss`. Held-out perplexity is measured on up to `EVAL_TOKENS` held-out
-tokens five times during training and at the end.
+tokens every `pretrain.eval_every` steps (default: five times) and at the end. With
+`pretrain.target_heldout_ppl`, training stops at the first measurement at or below the target;
+`pretrain.steps` is then a budget (the learning-rate schedule spans it either way). The base
+model's own seed (`pretrain.seed`, default the top-level seed) sets its initial draws and the order
+of its training data; the held-out windows use the top-level seed, so base models of one config are
+measured on the same tokens.
 
 On a GPU the forward runs under bf16 autocast (fp32 master weights, fused AdamW); CPU runs are
 unchanged. Training is resumable: every `CHECKPOINT_EVERY_S` seconds, when `time_limit_s` is
@@ -349,10 +354,22 @@ def load_resume_state(path: Path, config_hash: str) -> dict[str, Any] | None:
     return state
 
 
+def eval_interval(train_cfg: PretrainConfig) -> int:
+    """Steps between held-out measurements: `eval_every`, else a fifth of the steps."""
+    return train_cfg.eval_every or max(1, train_cfg.steps // EVAL_POINTS)
+
+
+def reached_target(rows: list[dict[str, Any]], train_cfg: PretrainConfig) -> bool:
+    """Whether the last measured held-out perplexity is at or below `target_heldout_ppl`."""
+    measured = [row["heldout_ppl"] for row in rows if not math.isnan(row["heldout_ppl"])]
+    return train_cfg.target_heldout_ppl is not None and bool(measured) and measured[-1] <= train_cfg.target_heldout_ppl
+
+
 def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train_cfg: PretrainConfig,
           eval_every: int, *, resume_dir: Path | None = None, config_hash: str = "",
           time_limit_s: float | None = None, step_trace: Path | None = None) -> list[dict[str, Any]]:
-    """The training loop; returns one log row per step.
+    """The training loop; returns one log row per step (fewer than `steps` where the held-out
+    perplexity reached `target_heldout_ppl`).
 
     With `resume_dir`, continues from a saved state there and saves one every
     CHECKPOINT_EVERY_S seconds and before raising `PretrainPaused` (time limit or SIGTERM).
@@ -406,7 +423,8 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
         pending.clear()
 
     model.train()
-    bar = progress(range(first_step, train_cfg.steps), desc="pretrain", unit="step", initial=first_step,
+    last_step = first_step if reached_target(rows, train_cfg) else train_cfg.steps
+    bar = progress(range(first_step, last_step), desc="pretrain", unit="step", initial=first_step,
                    total=train_cfg.steps, disable=rank != 0)
     with bar, stop.on_sigterm():        # the bar closes (a final progress record) however the loop ends
         for step in bar:
@@ -450,6 +468,9 @@ def train(model: nn.Module, sampler: WindowSampler, heldout: TokenWindows, train
                 flush()
             row["elapsed_s"] = elapsed_before + time.perf_counter() - start
             rows.append(row)
+            # the ranks measured the same weights; they still agree, so that all stop at one step
+            if not math.isnan(row["heldout_ppl"]) and flags_agreed(world, device, reached_target(rows, train_cfg))[0]:
+                break
         flush()
         trace.close()
     model.eval()
@@ -465,13 +486,14 @@ def build_base_model(cfg: Config, vocab_size: int, token_ids: dict[str, int | No
 
         model = upcycle_gguf(find_gguf(cfg.model.checkpoint), num_experts=cfg.model.num_experts,
                              top_k=cfg.model.top_k, max_seq_len=cfg.model.max_seq_len, token_ids=token_ids,
-                             seed=cfg.seed, router_noise=cfg.model.router_noise,
-                             router_aux_loss=cfg.pretrain.router_aux_loss)
+                             seed=cfg.pretrain.base_seed(cfg.seed), router_noise=cfg.model.router_noise,
+                             router_aux_loss=cfg.pretrain.router_aux_loss, init=cfg.model.upcycle_init,
+                             drop_ratio=cfg.model.drop_ratio)
         if model.config.vocab_size != vocab_size:
             raise ValueError(f"data.tokenizer_from: the tokenizer has {vocab_size} tokens but {cfg.model.checkpoint} "
                              f"has {model.config.vocab_size} embeddings (set data.tokenizer_from: {cfg.model.checkpoint})")
     else:
-        model = build_tiny_olmoe(cfg.model, vocab_size, **token_ids, seed=cfg.seed,
+        model = build_tiny_olmoe(cfg.model, vocab_size, **token_ids, seed=cfg.pretrain.base_seed(cfg.seed),
                                  router_aux_loss=cfg.pretrain.router_aux_loss)
     use_experts_kernel(model, cfg.model.experts_kernel)
     return model
@@ -500,13 +522,14 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
     if train_cfg.seq_len > cfg.model.max_seq_len:
         raise ValueError(f"pretrain.seq_len: {train_cfg.seq_len} exceeds model.max_seq_len {cfg.model.max_seq_len}")
     data_dir, out_dir = Path(data_dir), Path(out_dir)
-    seed_everything(cfg.seed)
+    base_seed = train_cfg.base_seed(cfg.seed)
+    seed_everything(base_seed)
     wall_start = time.perf_counter()
     tokenizer = load_tokenizer(data_dir / "tokenizer")
     corpus = data_dir / "corpus"
-    train_ids_N, _, _ = tokenize_documents(shuffled(read_corpus(corpus / "train.jsonl"), cfg.seed), tokenizer)
+    train_ids_N, _, _ = tokenize_documents(shuffled(read_corpus(corpus / "train.jsonl"), base_seed), tokenizer)
     heldout = corpus_windows(corpus / "heldout.jsonl", tokenizer, EVAL_TOKENS, train_cfg.seq_len, cfg.seed)
-    sampler = WindowSampler(train_ids_N, train_cfg.seq_len, train_cfg.batch_size, cfg.seed)
+    sampler = WindowSampler(train_ids_N, train_cfg.seq_len, train_cfg.batch_size, base_seed)
     eos = tokenizer.eos_token_id
     model = build_base_model(cfg, len(tokenizer), {
         # pad == eos would freeze the shared <|endoftext|> embedding (nn.Embedding padding_idx);
@@ -519,13 +542,13 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
     model.to(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
     # (CPU results are unchanged by this line; under torchrun the current device is the rank's GPU)
     initial_ppl = None
-    if cfg.model.source == "upcycle" and rank == 0:     # = the dense model's: upcycling is exact at init
+    if cfg.model.source == "upcycle" and rank == 0:     # virtual groups: the dense model's (exact at init)
         nll, count = heldout_nll(model, heldout)
         initial_ppl = math.exp(nll / count)
         log.info("upcycled model before training: held-out ppl %.3f", initial_ppl)
     prep_s = time.perf_counter() - wall_start
     resume_dir = resume_dir_of(out_dir)
-    rows = train(model, sampler, heldout, train_cfg, eval_every=max(1, train_cfg.steps // EVAL_POINTS),
+    rows = train(model, sampler, heldout, train_cfg, eval_every=eval_interval(train_cfg),
                  resume_dir=resume_dir, config_hash=cfg.hash(), time_limit_s=time_limit_s, step_trace=step_trace)
     if rank != 0:               # rank 0 measures and writes; the others wait for it
         dist.barrier()
@@ -537,10 +560,14 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
     routed = route_windows(model, heldout, logit_stats=False, desc="structure")
     layers = routing_structure(routed.ids_LNK, routed.layers.tolist(), routed.num_experts,
                                cfg.finetune.devices, cfg.seed)
-    meta = provenance(cfg.hash(), cfg.seed, stage="pretrain")
+    meta = provenance(cfg.hash(), cfg.seed, stage="pretrain", base_seed=base_seed)
     train_summary = {
-        "steps": train_cfg.steps,
-        "tokens_seen": train_cfg.steps * train_cfg.batch_size * train_cfg.seq_len,
+        "steps": len(rows),
+        "step_budget": train_cfg.steps,
+        "target_heldout_ppl": train_cfg.target_heldout_ppl,
+        "reached_target": reached_target(rows, train_cfg),
+        "base_seed": base_seed,
+        "tokens_seen": len(rows) * train_cfg.batch_size * train_cfg.seq_len,
         "train_tokens": int(len(train_ids_N)),
         "epochs_started": sampler.epochs,
         "final_train_loss": rows[-1]["train_loss"] if rows else None,
@@ -573,7 +600,7 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
         },
         "heldout_tokens": heldout.tokens,
         "heldout_ppl": final_ppl,
-        "initial_heldout_ppl": initial_ppl,     # upcycle: the dense source model's (null for scratch)
+        "initial_heldout_ppl": initial_ppl,     # upcycle: the upcycled model's before training (null for scratch)
         "unigram_ppl": baseline_ppl,
         "ppl_ratio_to_unigram": final_ppl / baseline_ppl,
         "heldout_bits_per_token": math.log2(final_ppl),

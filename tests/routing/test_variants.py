@@ -54,3 +54,18 @@ def test_pruning_to_every_device_equals_the_models_own_routing(tmp_path, arch, m
         got = model(x).logits
         set_routing(model, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_core_quality_arms_keep_one_d_with_the_gate_ablation():
+    import yaml
+
+    from occult.config import merge
+    from occult.routing.variants import quality_arms
+
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    cfg = load_config(merge(base, {"model": {"num_experts": 64, "top_k": 8}, "placement": {"devices": [2, 4, 8]},
+                                   "finetune": {"devices": 8, "quality_grid": True, "quality_arms": "core"},
+                                   "bench": {"devices": 2}}))
+    assert [a.name for a in quality_arms(cfg)] == [
+        "raw", "sft-moe", "prune1-router-D8-keep-moe", "prune1-sim-D8-keep-moe", "prune2-router-D8-keep-moe",
+        "prune2-sim-D8-keep-moe", "prune2-sim-D8-renormalise-moe", "prune1-sim-D8-renormalise-moe"]

@@ -169,3 +169,56 @@ def test_data_parallel_pretraining_needs_a_batch_that_splits(tmp_path):
         return rank
 
     assert run_ranks(rank_main, 2, timeout_s=60.0) == [0, 1]
+
+
+def _with_pretrain(cfg, **changes):
+    from occult.config import load_config, merge
+
+    return load_config(merge(cfg.raw, {"pretrain": changes}))
+
+
+def test_pretrain_stops_at_its_target_perplexity_and_resumes_to_the_same_stop(run, tmp_path):
+    """`target_heldout_ppl`: the first measurement at or below it ends training (steps is the budget);
+    a run paused before it resumes and stops at the same step with the same weights."""
+    from occult.stages.pretrain import PretrainPaused, resume_dir_of
+
+    cfg, data_dir, outputs = run
+    measured = pd.read_csv(outputs["log.csv"]).dropna(subset=["heldout_ppl"]).set_index("step")["heldout_ppl"]
+    target = float(measured.loc[16]) * 1.0001           # the full run reaches it at step 16 (eval every 8)
+    early = _with_pretrain(cfg, target_heldout_ppl=target, eval_every=8)
+    paths = [tmp_path / "straight" / n for n in ("model", "log.csv", "structure.json")]
+    pretrain(early, data_dir, *paths)
+    log = pd.read_csv(paths[1])
+    assert log["step"].tolist() == list(range(1, 17))
+    # the same weights as the full run's first 16 steps: the schedule still spans the 40-step budget
+    np.testing.assert_array_equal(log["train_loss"], pd.read_csv(outputs["log.csv"])["train_loss"].iloc[:16])
+    train = json.loads(paths[2].read_text())["train"]
+    assert (train["steps"], train["step_budget"], train["reached_target"]) == (16, 40, True)
+    assert json.loads(paths[2].read_text())["heldout_ppl"] <= target
+
+    paused = [tmp_path / "paused" / n for n in ("model", "log.csv", "structure.json")]
+    with pytest.raises(PretrainPaused):
+        pretrain(early, data_dir, *paused, time_limit_s=0.0)
+    pretrain(early, data_dir, *paused)
+    assert not resume_dir_of(paused[0]).exists()
+    np.testing.assert_array_equal(pd.read_csv(paused[1])["train_loss"], log["train_loss"])
+
+    unreachable = _with_pretrain(cfg, steps=8, target_heldout_ppl=1.0001, eval_every=4)
+    pretrain(unreachable, data_dir, *(tmp_path / "budget" / n for n in ("model", "log.csv", "structure.json")))
+    train = json.loads((tmp_path / "budget" / "structure.json").read_text())["train"]
+    assert (train["steps"], train["reached_target"]) == (8, False)
+
+
+def test_pretrain_seed_makes_another_base_model_measured_on_the_same_tokens(run, tmp_path):
+    cfg, data_dir, outputs = run
+    same = _with_pretrain(cfg, seed=cfg.seed, steps=4)
+    other = _with_pretrain(cfg, seed=cfg.seed + 1, steps=4)
+    default = _with_pretrain(cfg, steps=4)
+    logs = {}
+    for name, c in (("default", default), ("same", same), ("other", other)):
+        pretrain(c, data_dir, tmp_path / name / "model", tmp_path / name / "log.csv", tmp_path / name / "s.json")
+        logs[name] = pd.read_csv(tmp_path / name / "log.csv")["train_loss"].tolist()
+    assert logs["same"] == logs["default"] and logs["other"] != logs["default"]
+    structure = json.loads((tmp_path / "other" / "s.json").read_text())
+    assert structure["train"]["base_seed"] == cfg.seed + 1 and structure["heldout_tokens"] == json.loads(
+        (tmp_path / "default" / "s.json").read_text())["heldout_tokens"]
