@@ -221,6 +221,10 @@ def final_outputs() -> list[str]:
         *[f"figures/{m}/quality_{v}/placement_study.png" for m, v in committed_quality_runs("placement_study/study.csv")],
         *[f"results/{m}/quality_{v}/tables/replicates.csv" for m, v in committed_quality_runs("replicate_of.yaml")],
         *[f"figures/{m}/quality_{v}/replicates.png" for m, v in committed_quality_runs("replicate_of.yaml")],
+        *[f"results/{m}/quality_{v}/tables/inheritance.csv" for m, v in committed_quality_runs("model/config.json")
+          if any((Path("results") / m / f"quality_{v}" / "profile").glob("routing_*_sample.npz"))],
+        *[f"results/{m}/quality_{v}/tables/verdicts_pooled.csv" for m, v in committed_quality_runs("pooled.yaml")],
+        *[f"figures/{m}/quality_{v}/verdicts_pooled.png" for m, v in committed_quality_runs("pooled.yaml")],
         f"{RESULTS}/config.yaml",
         f"{RESULTS}/tables/ct_ablation.csv",
         f"{RESULTS}/tables/accuracy.csv",

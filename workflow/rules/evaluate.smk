@@ -163,3 +163,80 @@ rule summarise_quality_arms:
     shell:
         "python -m occult.stages.evaluate --summarise {params.run_dir} --figures {params.figures}"
         " --log-json {log.json} > {log.text} 2>&1"
+
+
+def committed_routing_samples(wildcards) -> list[str]:
+    """The routing samples a committed quality run keeps (profile/routing_*_sample.npz)."""
+    run_dir = Path("results") / wildcards.machine / f"quality_{wildcards.version}"
+    return sorted(str(p) for p in (run_dir / "profile").glob("routing_*_sample.npz"))
+
+
+def pooled_inputs(wildcards) -> dict[str, list[str] | str]:
+    """A committed run's pooled.yaml and the evaluations of every run it names (docs/quality.md)."""
+    from occult.report.quality_pooled import spec_runs
+
+    spec = Path("results") / wildcards.machine / f"quality_{wildcards.version}" / "pooled.yaml"
+    return {"spec": str(spec), "scores": sorted(str(p) for run in spec_runs(spec) for p in (run / "evaluate").glob("*.json"))}
+
+
+# How far a committed run's routing still follows the expert groups its model was initialised with
+# (occult.routing.inheritance; docs/quality.md): beside its accuracy table; CPU only.
+rule quality_inheritance:
+    input:
+        routing=committed_routing_samples,
+        config="results/{machine}/quality_{version}/model/config.json",
+    output:
+        table=report(
+            "results/{machine}/quality_{version}/tables/inheritance.csv",
+            category="Quality study (GPU)",
+            caption="../report/inheritance.rst",
+        ),
+    log:
+        text="logs/quality_inheritance/{machine}_{version}.log",
+        json="logs/quality_inheritance/{machine}_{version}.jsonl",
+    benchmark:
+        "benchmarks/quality_inheritance/{machine}_{version}.tsv"
+    wildcard_constraints:
+        machine="[^/]+",
+        version="[^/]+",
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=4000,
+        runtime=10,
+    shell:
+        "python -m occult.routing.inheritance --routing {input.routing} --model-config {input.config}"
+        " --out {output.table} --log-json {log.json} > {log.text} 2>&1"
+
+
+# The quality claims pooled over the base models of each model family that a committed run's
+# pooled.yaml names (occult.report.quality_pooled; docs/quality.md); CPU only.
+rule quality_pooled:
+    input:
+        unpack(pooled_inputs),
+    output:
+        table="results/{machine}/quality_{version}/tables/verdicts_pooled.csv",
+        bases="results/{machine}/quality_{version}/tables/verdicts_pooled_bases.csv",
+        figure=report(
+            "figures/{machine}/quality_{version}/verdicts_pooled.png",
+            category="Quality study (GPU)",
+            caption="../report/verdicts_pooled.rst",
+        ),
+    log:
+        text="logs/quality_pooled/{machine}_{version}.log",
+        json="logs/quality_pooled/{machine}_{version}.jsonl",
+    benchmark:
+        "benchmarks/quality_pooled/{machine}_{version}.tsv"
+    wildcard_constraints:
+        machine="[^/]+",
+        version="[^/]+",
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "python -m occult.report.quality_pooled --spec {input.spec} --out {output.table} --figure {output.figure}"
+        " --log-json {log.json} > {log.text} 2>&1"
