@@ -12,8 +12,9 @@ Layout (see `reference.py`): `h_MF` [M, F] in expert order; `pair_row_M` int [M]
 the gate's dtype); `expert_offsets` int [E+1]; `w_down_EDF` [E, D, F]; `y_RD` [R, D] in h's dtype.
 
 Design:
-* Same tile schedule as `grouped_swiglu` (device-side cumsum over per-expert tile counts, a
-  fixed bound cdiv(M, BLOCK_M) + E of M-tiles, idle programs exit, swizzled program order).
+* Same tile schedule as `grouped_swiglu` (`grouped_layout.py`: device-side cumsum over per-expert
+  tile counts, a fixed bound cdiv(M, BLOCK_M) + E of M-tiles, idle programs exit, swizzled program
+  order); configs and operand paths from `gemm_configs.py`.
 * Forward: the GEMM epilogue multiplies by gate[m] and writes each pair's row to an [M, D]
   buffer (`partial_dtype`: h's dtype for 16-bit activations — each pair's contribution rounded
   once, exactly as per-expert dispatch rounds each expert's returned row — fp32 otherwise); a
@@ -40,25 +41,10 @@ import triton.language as tl
 
 from .combine import (cdiv, check_row_table, direct_call_ok, eager_function, eager_function_ok, gather_sum_rows,
                       interpreting, next_pow2, row_csr, segment_sum_rows)
-from .grouped_swiglu import (
-    GROUP_M,
-    partial_dtype,
-    SINGLE_ACC_CONFIGS,
-    check_grouped_args,
-    dot_precision,
-    expert_tile,
-    fixed_gemm_meta,
-    gathered_operand_wanted,
-    gemm_programs,
-    kernel_name,
-    launch_gemm,
-    m_tile_bound,
-    persistent_schedule,
-    store_pair_rows,
-    swizzle_tiles,
-    tile_at,
-    use_tma,
-)
+from .gemm_configs import (GROUP_M, SINGLE_ACC_CONFIGS, dot_precision, fixed_gemm_meta, gathered_operand_wanted,
+                           kernel_name, launch_gemm, partial_dtype, use_tma)
+from .grouped_layout import (check_grouped_args, expert_tile, gemm_programs, m_tile_bound, persistent_schedule,
+                             store_pair_rows, swizzle_tiles, tile_at)
 from .launch import launch
 
 

@@ -39,8 +39,9 @@ from tqdm import tqdm
 from occult.provenance import atomic_path, git_commit, provenance, seed_everything, write_json
 
 from occult.kernels.combine import combine
+from occult.kernels.gemm_configs import tma_disabled
 from occult.kernels.grouped_down_reduce import grouped_down_reduce
-from occult.kernels.grouped_swiglu import grouped_swiglu, tma_disabled
+from occult.kernels.grouped_swiglu import grouped_swiglu
 from occult.kernels.reference import combine_ref, grouped_down_reduce_ref, grouped_swiglu_ref
 
 REL_ERR_LIMIT = 1e-2
@@ -162,7 +163,7 @@ def swiglu_materialized(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD):
     """The Triton op whose backward forms [dg | du] in one elementwise pass (mode taken at forward)."""
     import importlib
 
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    module = importlib.import_module("occult.kernels.grouped_swiglu_backward")
     saved, module.SWIGLU_BWD_MODE = module.SWIGLU_BWD_MODE, "materialized"
     try:
         return grouped_swiglu(x_RD, pair_row_M, expert_offsets, w_gate_up_E2FD)

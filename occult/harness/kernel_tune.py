@@ -53,12 +53,15 @@ from occult.provenance import atomic_path, git_commit, provenance, seed_everythi
 from occult.harness.kernel_bench import (BenchShape, Workload, add_workload_args, build_workload, check_workload_args, rel_err,
                             row_table, time_ms)
 from occult.kernels.combine import interpreting
+from occult.kernels.gemm_configs import forced_gemm_meta
 from occult.kernels.grouped_down_reduce import grouped_down_reduce_backward, grouped_down_reduce_forward
-from occult.kernels.grouped_swiglu import forced_gemm_meta, grouped_swiglu_backward, grouped_swiglu_forward
+from occult.kernels.grouped_swiglu import grouped_swiglu_forward
+from occult.kernels.grouped_swiglu_backward import grouped_swiglu_backward
 
 # The package re-exports the ops under the modules' names: import the modules themselves.
-swiglu_module = importlib.import_module("occult.kernels.grouped_swiglu")
-down_module = importlib.import_module("occult.kernels.grouped_down_reduce")
+configs_module = importlib.import_module("occult.kernels.gemm_configs")
+KERNEL_MODULES = tuple(importlib.import_module(f"occult.kernels.{name}")
+                       for name in ("grouped_swiglu", "grouped_swiglu_backward", "grouped_down_reduce"))
 REL_ERR_LIMIT = 1e-2
 META_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_SIZE")
 ACC_REGISTER_LIMIT = 128          # fp32 accumulator registers per thread a config may need
@@ -78,20 +81,20 @@ class KernelSpec:
 
 
 KERNELS = {
-    "swiglu_fwd": KernelSpec("_swiglu_fwd_kernel", 1, 2, 2, True, swiglu_module.SWIGLU_FWD_CONFIGS,
+    "swiglu_fwd": KernelSpec("_swiglu_fwd_kernel", 1, 2, 2, True, configs_module.SWIGLU_FWD_CONFIGS,
                              lambda m, d, f: 2.0 * m * d * 2 * f),
-    "down_fwd": KernelSpec("_down_fwd_kernel", 1, 1, 1, True, swiglu_module.SINGLE_ACC_CONFIGS,
+    "down_fwd": KernelSpec("_down_fwd_kernel", 1, 1, 1, True, configs_module.SINGLE_ACC_CONFIGS,
                            lambda m, d, f: 2.0 * m * f * d),
-    "swiglu_dx": KernelSpec("_swiglu_bwd_dx_kernel", 2, 2, 1, True, swiglu_module.SWIGLU_DX_CONFIGS,
+    "swiglu_dx": KernelSpec("_swiglu_bwd_dx_kernel", 2, 2, 1, True, configs_module.SWIGLU_DX_CONFIGS,
                             lambda m, d, f: 2.0 * m * 2 * f * d),
-    "swiglu_dw": KernelSpec("_swiglu_bwd_dw_kernel", 2, 1, 2, False, swiglu_module.SWIGLU_DW_CONFIGS,
+    "swiglu_dw": KernelSpec("_swiglu_bwd_dw_kernel", 2, 1, 2, False, configs_module.SWIGLU_DW_CONFIGS,
                             lambda m, d, f: 2.0 * m * 2 * f * d),
-    "down_dh": KernelSpec("_down_bwd_dh_kernel", 1, 1, 1, True, swiglu_module.SINGLE_ACC_CONFIGS,
+    "down_dh": KernelSpec("_down_bwd_dh_kernel", 1, 1, 1, True, configs_module.SINGLE_ACC_CONFIGS,
                           lambda m, d, f: 2.0 * m * d * f),
-    "down_dw": KernelSpec("_down_bwd_dw_kernel", 1, 1, 1, False, swiglu_module.SINGLE_ACC_CONFIGS,
+    "down_dw": KernelSpec("_down_bwd_dw_kernel", 1, 1, 1, False, configs_module.SINGLE_ACC_CONFIGS,
                           lambda m, d, f: 2.0 * m * d * f),
 }
-assert all(hasattr(swiglu_module, spec.name) or hasattr(down_module, spec.name) for spec in KERNELS.values())
+assert all(any(hasattr(module, spec.name) for module in KERNEL_MODULES) for spec in KERNELS.values())
 
 
 def config_meta(config) -> dict[str, int]:
@@ -114,7 +117,7 @@ def candidates(spec: KernelSpec, *, blocks: tuple[int, ...], block_k: tuple[int,
     groups = group_sizes if spec.grouped else (None,)
     own = [config_meta(cfg) for cfg in spec.current]
     if spec.grouped:                   # the autotuner launches them with the module's GROUP_M
-        own = [{**meta, "GROUP_SIZE": swiglu_module.GROUP_M} for meta in own]
+        own = [{**meta, "GROUP_SIZE": configs_module.GROUP_M} for meta in own]
     grid = []
     for bm, bn, bk, nw, ns, group in itertools.product(blocks, blocks, block_k, warps, stages, groups):
         meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
@@ -227,13 +230,13 @@ def pinned_meta(name: str, run: Callable[[], object]):
     """The `TUNED_GEMM_META` config the op launches by default for this workload, or None: one
     default run of the op, then its launcher's choice for kernel `name` (`LAST_LAUNCH_META`)."""
     run()
-    meta = swiglu_module.LAST_LAUNCH_META.get(name)
-    return meta if any(meta is tuned for tuned in swiglu_module.TUNED_GEMM_META.values()) else None
+    meta = configs_module.LAST_LAUNCH_META.get(name)
+    return meta if any(meta is tuned for tuned in configs_module.TUNED_GEMM_META.values()) else None
 
 
 def _autotuner_only(run: Callable[[], object]) -> Callable[[], object]:
     def call():
-        with swiglu_module.pinned_configs_disabled():
+        with configs_module.pinned_configs_disabled():
             return run()
     return call
 

@@ -11,7 +11,7 @@ import torch
 from occult.harness import kernel_tune as tune_kernels
 from occult.harness.kernel_tune import KERNELS, candidates, fits, row_table
 
-swiglu_module = tune_kernels.swiglu_module
+configs_module = tune_kernels.configs_module
 GRID = dict(blocks=(64, 128, 256), block_k=(32, 64, 128), warps=(4, 8), stages=(2, 3, 4, 5), group_sizes=(4, 8),
             elem_bytes=2, smem_kib=220.0)
 
@@ -24,7 +24,7 @@ def test_candidates_start_with_the_autotuner_configs_and_all_fit(kernel):
     assert len(metas) == 30
     for meta, want in zip(metas, own):
         assert {key: meta[key] for key in want} == want
-        assert meta.get("GROUP_SIZE") == (swiglu_module.GROUP_M if spec.grouped else None)
+        assert meta.get("GROUP_SIZE") == (configs_module.GROUP_M if spec.grouped else None)
     rest = metas[len(own):]
     assert all(fits(spec, meta, 2, 220.0) for meta in rest)
     assert all(("GROUP_SIZE" in meta) == spec.grouped for meta in metas)
@@ -45,13 +45,13 @@ def test_fits_rejects_tiles_beyond_shared_memory_or_registers():
 def test_forced_meta_wins_and_is_restored():
     name = "_down_fwd_kernel"
     meta = {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}
-    before = swiglu_module.fixed_gemm_meta(torch.bfloat16, 10**6, name)
-    with swiglu_module.forced_gemm_meta(name, meta):
-        assert dict(swiglu_module.fixed_gemm_meta(torch.bfloat16, 10**6, name)) == meta
-        assert swiglu_module.fixed_gemm_meta(torch.bfloat16, 10**6, "_swiglu_fwd_kernel") == before
-    assert swiglu_module.fixed_gemm_meta(torch.bfloat16, 10**6, name) == before
+    before = configs_module.fixed_gemm_meta(torch.bfloat16, 10**6, name)
+    with configs_module.forced_gemm_meta(name, meta):
+        assert dict(configs_module.fixed_gemm_meta(torch.bfloat16, 10**6, name)) == meta
+        assert configs_module.fixed_gemm_meta(torch.bfloat16, 10**6, "_swiglu_fwd_kernel") == before
+    assert configs_module.fixed_gemm_meta(torch.bfloat16, 10**6, name) == before
     with pytest.raises(ValueError, match="BLOCK_K"):
-        with swiglu_module.forced_gemm_meta(name, {"BLOCK_M": 16, "BLOCK_N": 16}):
+        with configs_module.forced_gemm_meta(name, {"BLOCK_M": 16, "BLOCK_N": 16}):
             pass
 
 
@@ -70,7 +70,7 @@ def test_a_config_that_changes_the_result_is_marked_wrong(monkeypatch):
     x = torch.randn(8, 4)
 
     def fake_runner(kernel, inp):
-        return lambda: (x + (1.0 if swiglu_module._FORCED_META else 0.0),)
+        return lambda: (x + (1.0 if configs_module._FORCED_META else 0.0),)
 
     monkeypatch.setattr(tune_kernels, "op_runner", fake_runner)
     monkeypatch.setattr(tune_kernels, "pinned_meta", lambda name, run: None)     # no real launch here
@@ -114,39 +114,39 @@ def test_without_a_gpu_only_the_interpreted_smoke_runs(tmp_path, monkeypatch):
 def test_measured_configs_are_pinned_only_for_their_shape_dtype_size_and_architecture(monkeypatch):
     """TUNED_GEMM_META applies to 16-bit inputs of its (D, F) on its architecture from
     AUTOTUNE_MIN_PAIRS pairs on; everything else keeps the fixed or autotuned path."""
-    monkeypatch.setattr(swiglu_module, "interpreting", lambda: False)
+    monkeypatch.setattr(configs_module, "interpreting", lambda: False)
     capability = [(9, 0)]
-    monkeypatch.setattr(swiglu_module, "capability_major", lambda device: capability[0][0])
+    monkeypatch.setattr(configs_module, "capability_major", lambda device: capability[0][0])
     cuda, many = torch.device("cuda", 0), 10**6
     name = "_swiglu_bwd_dx_kernel"
-    pinned = swiglu_module.TUNED_GEMM_META[(name, 9, 2048, 1024, False)]
-    meta = swiglu_module.fixed_gemm_meta
+    pinned = configs_module.TUNED_GEMM_META[(name, 9, 2048, 1024, False)]
+    meta = configs_module.fixed_gemm_meta
     assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is pinned
     assert meta(torch.float16, many, name, (2048, 1024), cuda) is pinned
     assert meta(torch.bfloat16, many, name, (2048, 512), cuda) is None                  # other shape: autotune
     assert meta(torch.bfloat16, many, "_down_fwd_kernel", (2048, 1024), cuda) is None   # not measured
     assert meta(torch.bfloat16, many, name, (2048, 1024), torch.device("cpu")) is None
-    assert meta(torch.float32, many, name, (2048, 1024), cuda) is swiglu_module.FP32_GEMM_META
-    assert meta(torch.bfloat16, 100, name, (2048, 1024), cuda) is swiglu_module.SMALL_GEMM_META
-    with swiglu_module.pinned_configs_disabled():
+    assert meta(torch.float32, many, name, (2048, 1024), cuda) is configs_module.FP32_GEMM_META
+    assert meta(torch.bfloat16, 100, name, (2048, 1024), cuda) is configs_module.SMALL_GEMM_META
+    with configs_module.pinned_configs_disabled():
         assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is None
     assert meta(torch.bfloat16, many, name, (2048, 1024), cuda) is pinned
     forced = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
-    with swiglu_module.forced_gemm_meta(name, forced):                                   # the sweep's forcing wins
+    with configs_module.forced_gemm_meta(name, forced):                                   # the sweep's forcing wins
         assert dict(meta(torch.bfloat16, many, name, (2048, 1024), cuda)) == forced
     fwd = "_swiglu_fwd_kernel"                                                           # pinned per operand path
-    assert meta(torch.bfloat16, many, fwd, (2048, 1024), cuda, True) is swiglu_module.TUNED_GEMM_META[(fwd, 9, 2048, 1024, True)]
-    assert meta(torch.bfloat16, many, fwd, (2048, 1024), cuda) is swiglu_module.TUNED_GEMM_META[(fwd, 9, 2048, 1024, False)]
-    assert meta(torch.bfloat16, many, name, (2048, 1024), cuda, True) is swiglu_module.TUNED_GEMM_META[(name, 9, 2048, 1024, True)]
+    assert meta(torch.bfloat16, many, fwd, (2048, 1024), cuda, True) is configs_module.TUNED_GEMM_META[(fwd, 9, 2048, 1024, True)]
+    assert meta(torch.bfloat16, many, fwd, (2048, 1024), cuda) is configs_module.TUNED_GEMM_META[(fwd, 9, 2048, 1024, False)]
+    assert meta(torch.bfloat16, many, name, (2048, 1024), cuda, True) is configs_module.TUNED_GEMM_META[(name, 9, 2048, 1024, True)]
     down = "_down_fwd_kernel"
-    assert meta(torch.bfloat16, many, down, (2048, 1024), cuda, True) is swiglu_module.TUNED_GEMM_META[(down, 9, 2048, 1024, True)]
+    assert meta(torch.bfloat16, many, down, (2048, 1024), cuda, True) is configs_module.TUNED_GEMM_META[(down, 9, 2048, 1024, True)]
     assert meta(torch.bfloat16, many, down, (2048, 1024), cuda) is None                 # pointer path: autotune
     # F = 1408 (Qwen1.5-MoE, DeepSeek-MoE): both forward and both dW pins; the rest autotunes
     dw = "_swiglu_bwd_dw_kernel"
     down_dw = "_down_bwd_dw_kernel"
     assert meta(torch.bfloat16, many, down_dw, (2048, 1408), cuda, True)["X_TMA"] == 1
-    assert meta(torch.bfloat16, many, down, (2048, 1408), cuda, True) is swiglu_module.TUNED_GEMM_META[(down, 9, 2048, 1408, True)]
-    assert meta(torch.bfloat16, many, dw, (2048, 1408), cuda, True) is swiglu_module.TUNED_GEMM_META[(dw, 9, 2048, 1408, True)]
+    assert meta(torch.bfloat16, many, down, (2048, 1408), cuda, True) is configs_module.TUNED_GEMM_META[(down, 9, 2048, 1408, True)]
+    assert meta(torch.bfloat16, many, dw, (2048, 1408), cuda, True) is configs_module.TUNED_GEMM_META[(dw, 9, 2048, 1408, True)]
     assert meta(torch.bfloat16, many, fwd, (2048, 1408), cuda, True)["ONE_ACC"] == 1
     assert meta(torch.bfloat16, many, fwd, (2048, 1408), cuda) is None                  # pointer path: autotune
     assert meta(torch.bfloat16, many, dw, (2048, 1408), cuda) is None                   # pointer path: autotune
@@ -172,12 +172,12 @@ def test_explicit_configs_are_parsed_and_timed_as_given(tmp_path):
 
 def test_the_pinned_row_is_the_config_the_op_launched(monkeypatch):
     """`pinned_meta` reports what the op's launcher chose: a TUNED_GEMM_META entry, else None."""
-    tuned = swiglu_module.TUNED_GEMM_META[("_down_fwd_kernel", 9, 2048, 1024, True)]
-    monkeypatch.setitem(swiglu_module.LAST_LAUNCH_META, "_down_fwd_kernel", None)
+    tuned = configs_module.TUNED_GEMM_META[("_down_fwd_kernel", 9, 2048, 1024, True)]
+    monkeypatch.setitem(configs_module.LAST_LAUNCH_META, "_down_fwd_kernel", None)
 
     def run_with(meta):
-        return lambda: swiglu_module.LAST_LAUNCH_META.__setitem__("_down_fwd_kernel", meta)
+        return lambda: configs_module.LAST_LAUNCH_META.__setitem__("_down_fwd_kernel", meta)
 
     assert tune_kernels.pinned_meta("_down_fwd_kernel", run_with(tuned)) is tuned
     assert tune_kernels.pinned_meta("_down_fwd_kernel", run_with(dict(tuned))) is None      # equal, not pinned
-    assert tune_kernels.pinned_meta("_down_fwd_kernel", run_with(swiglu_module.SMALL_GEMM_META)) is None
+    assert tune_kernels.pinned_meta("_down_fwd_kernel", run_with(configs_module.SMALL_GEMM_META)) is None

@@ -161,7 +161,7 @@ def test_operand_paths_match_reference(case, tma, poisoned_empty):
     descriptors (the default where their layout allows) and pointers. F = 40 and 24 leave K tails
     after 16-wide blocks; D = 48 is not a multiple of 32; tiles past an expert's pairs read the
     next expert's rows, which are not stored (forward) or meet zero dy rows (dW)."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")    # owns the TMA switch
+    module = importlib.import_module("occult.kernels.gemm_configs")    # owns the TMA switch
     h, pair_row, gate, offsets, w, rows = make_case(case, torch.float32)
     h.requires_grad_()
     gate.requires_grad_()
@@ -181,7 +181,7 @@ def test_operand_paths_match_reference(case, tma, poisoned_empty):
 def test_persistent_forward_matches_reference(case, tma, poisoned_empty):
     """A PERSISTENT config launches fewer programs than tiles (3 in the interpreter, one per SM
     on a GPU): each program loops over its tiles, and every tile is written exactly once."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    module = importlib.import_module("occult.kernels.gemm_configs")
     h, pair_row, gate, offsets, w, rows = make_case(case, torch.float32)
     meta = {**module.fixed_gemm_meta(torch.float32, h.shape[0]), "PERSISTENT": 1}
     with module.forced_gemm_meta("_down_fwd_kernel", meta), \
@@ -191,7 +191,7 @@ def test_persistent_forward_matches_reference(case, tma, poisoned_empty):
 
 
 def test_operands_without_a_descriptor_layout_load_through_pointers(poisoned_empty):
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    module = importlib.import_module("occult.kernels.gemm_configs")
     h, pair_row, gate, offsets, w, rows = make_case("npow2", torch.float32)
     h_strided = h.t().contiguous().t()
     assert not module.use_tma(h_strided, w)
@@ -210,7 +210,7 @@ def test_bf16_on_gpu(case):
 def test_persistent_forward_bf16_on_gpu(warp_spec):
     """The persistent tile loop (one program per SM) with descriptor operands, flattened and
     software-pipelined or warp-specialised, against fp32 (forward and gradients)."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    module = importlib.import_module("occult.kernels.gemm_configs")
     meta = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1,
             "WARP_SPEC": warp_spec}
     gen = torch.Generator().manual_seed(4)
@@ -309,7 +309,7 @@ def test_backward_ignores_padded_pairs_past_the_last_expert(tma):
     """A padded plan (`occult.ep` static mode) has more pair rows than pairs: rows past
     expert_offsets[-1] are never written (NaN here). The dW GEMM's last K block must not read
     them, nor the next expert's rows: its descriptor ends at the expert's last pair."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
+    module = importlib.import_module("occult.kernels.gemm_configs")
     h, pair_row, gate, offsets, w, rows = make_case("npow2", torch.float32)
     pad = 7
     h_pad = torch.cat([h, torch.full((pad, h.shape[1]), float("nan"), device=h.device)])
@@ -331,7 +331,7 @@ def test_dw_with_gathered_rows_matches_reference(case):
     """The down dW's X_TMA option (gate · dy gathered once in pair order, then loaded through a
     descriptor) gives the reference dW, also with unwritten (NaN) pair rows of a padded plan past
     the last expert. bf16 on a GPU (the TMA path), fp32 in the interpreter."""
-    swiglu_module = importlib.import_module("occult.kernels.grouped_swiglu")
+    configs_module = importlib.import_module("occult.kernels.gemm_configs")
     down_module = importlib.import_module("occult.kernels.grouped_down_reduce")
     on_gpu = DEVICE == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
@@ -344,7 +344,7 @@ def test_dw_with_gathered_rows_matches_reference(case):
     dy = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(6)).to(h.device, dtype)
     blocks = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3} if on_gpu else \
         {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
-    with swiglu_module.forced_gemm_meta("_down_bwd_dw_kernel", {**blocks, "X_TMA": 1}):
+    with configs_module.forced_gemm_meta("_down_bwd_dw_kernel", {**blocks, "X_TMA": 1}):
         _, _, dw = down_module.grouped_down_reduce_backward(dy, h_pad, row_pad, gate_pad, offsets, w, False, True)
     _, _, _, dw_ref = reference_grads(h, pair_row, gate, offsets, w, rows, dy)
     if on_gpu:
@@ -369,11 +369,11 @@ def test_gather_scale_rows_matches_torch():
 
 
 def test_dw_options_without_descriptors_are_refused():
-    swiglu_module = importlib.import_module("occult.kernels.grouped_swiglu")
+    configs_module = importlib.import_module("occult.kernels.gemm_configs")
     down_module = importlib.import_module("occult.kernels.grouped_down_reduce")
     h, pair_row, gate, offsets, w, rows = make_case("npow2", torch.float32)
     dy = torch.randn(rows, w.shape[1]).to(h.device)
-    with swiglu_module.tma_disabled(), swiglu_module.forced_gemm_meta(
+    with configs_module.tma_disabled(), configs_module.forced_gemm_meta(
             "_down_bwd_dw_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "X_TMA": 1}):
         with pytest.raises(ValueError, match="needs descriptor operands"):
             down_module.grouped_down_reduce_backward(dy, h, pair_row, gate, offsets, w, False, True)

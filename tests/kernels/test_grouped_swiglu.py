@@ -12,8 +12,11 @@ import math
 import pytest
 import torch
 
-from occult.kernels.grouped_swiglu import grouped_swiglu
+from occult.kernels.grouped_swiglu import grouped_swiglu, grouped_swiglu_forward
+from occult.kernels.grouped_swiglu_backward import grouped_swiglu_backward
 from occult.kernels.reference import grouped_swiglu_ref
+
+gemm_configs = importlib.import_module("occult.kernels.gemm_configs")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -72,7 +75,7 @@ def bwd_mode(request, monkeypatch):
     """Both ways the backward gets (dg, du): recomputed in the GEMM prologues, or one elementwise pass."""
     import importlib
 
-    module = importlib.import_module("occult.kernels.grouped_swiglu")   # the package re-exports the op
+    module = importlib.import_module("occult.kernels.grouped_swiglu_backward")
     monkeypatch.setattr(module, "SWIGLU_BWD_MODE", request.param)
     return request.param
 
@@ -176,10 +179,9 @@ def test_forward_weight_operand_paths_match_reference(tma, hidden, poisoned_empt
     padded[:, :hidden] = torch.randn(rows, hidden, generator=gen)
     x = padded.to(DEVICE)[:, :hidden]
     w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).to(DEVICE)
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     hopper = DEVICE == "cpu"     # the interpreter emulates TMA for any dtype; a GPU uses it for 16-bit only
-    with contextlib.nullcontext() if tma else module.tma_disabled():
-        assert module.use_tma(w) == (tma and hopper)
+    with contextlib.nullcontext() if tma else gemm_configs.tma_disabled():
+        assert gemm_configs.use_tma(w) == (tma and hopper)
         h = grouped_swiglu(x, pair_row.to(DEVICE), offsets.to(DEVICE), w)
     torch.testing.assert_close(h, grouped_swiglu_ref(x, pair_row.to(DEVICE), offsets.to(DEVICE), w),
                                atol=1e-4, rtol=1e-4)
@@ -191,13 +193,12 @@ def test_persistent_forward_matches_reference(case, tma, poisoned_empty):
     """A PERSISTENT forward config (3 programs in the interpreter, one per SM on a GPU) loops each
     program over several tiles; h and the saved pre-activations (checked through dx and dW) are
     those of the reference."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     x, pair_row, offsets, w = make_case(case, torch.float32)
     x.requires_grad_()
     w.requires_grad_()
-    meta = {**module.fixed_gemm_meta(torch.float32, pair_row.numel()), "PERSISTENT": 1}
-    with module.forced_gemm_meta("_swiglu_fwd_kernel", meta), \
-            contextlib.nullcontext() if tma else module.tma_disabled():
+    meta = {**gemm_configs.fixed_gemm_meta(torch.float32, pair_row.numel()), "PERSISTENT": 1}
+    with gemm_configs.forced_gemm_meta("_swiglu_fwd_kernel", meta), \
+            contextlib.nullcontext() if tma else gemm_configs.tma_disabled():
         h = grouped_swiglu(x, pair_row, offsets, w)
     grad_out = torch.randn(h.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     dx, dw = torch.autograd.grad(h, (x, w), grad_out)
@@ -217,7 +218,6 @@ def test_forward_descriptor_options_match_reference(case, persistent, options):
     ids, are gathered clamped and never change the real pairs' output) and ONE_ACC (a tile's gate
     and up rows in one load, one accumulator split after the K loop; F = 40 and 16 leave rows past F
     in the last N tile). bf16 on a GPU, fp32 in the interpreter."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     on_gpu = DEVICE == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     x, pair_row, offsets, w = make_case(case, dtype, seed=11)
@@ -228,9 +228,9 @@ def test_forward_descriptor_options_match_reference(case, persistent, options):
     meta = {**blocks, **options, **({"PERSISTENT": 1} if persistent else {})}
     n = pair_row.numel()
     row_pad = torch.cat([pair_row, torch.tensor([-1, 10**6, 0], dtype=pair_row.dtype, device=pair_row.device)])
-    with module.forced_gemm_meta("_swiglu_fwd_kernel", meta):
+    with gemm_configs.forced_gemm_meta("_swiglu_fwd_kernel", meta):
         h = grouped_swiglu(x, pair_row, offsets, w)
-        h_pad, _ = module.grouped_swiglu_forward(x.detach(), row_pad, offsets, w.detach(), False)
+        h_pad, _ = grouped_swiglu_forward(x.detach(), row_pad, offsets, w.detach(), False)
     grad_out = torch.randn(h.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
     dx, dw = torch.autograd.grad(h, (x, w), grad_out)
     h_ref, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, grad_out)
@@ -244,12 +244,11 @@ def test_forward_descriptor_options_match_reference(case, persistent, options):
 @pytest.mark.parametrize("option", ["X_TMA", "ONE_ACC"])
 def test_forward_descriptor_options_need_descriptors(option):
     """X_TMA / ONE_ACC in the forward need descriptor operands: with them switched off the launcher says so."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     x, pair_row, offsets, w = make_case("npow2", torch.float32)
-    with module.tma_disabled(), module.forced_gemm_meta(
+    with gemm_configs.tma_disabled(), gemm_configs.forced_gemm_meta(
             "_swiglu_fwd_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, option: 1}):
         with pytest.raises(ValueError, match="_swiglu_fwd_kernel: config .* needs descriptor operands"):
-            module.grouped_swiglu_forward(x, pair_row, offsets, w, False)
+            grouped_swiglu_forward(x, pair_row, offsets, w, False)
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["tile_per_program", "persistent"])
@@ -265,10 +264,9 @@ def test_backward_dx_operand_paths_match_reference(tma, persistent, bwd_mode, po
     pair_row, offsets = (t.to(DEVICE) for t in pairs_from_rows(routing, experts))
     x = torch.randn(rows, hidden, generator=gen).to(DEVICE).requires_grad_()
     w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).to(DEVICE).requires_grad_()
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
-    meta = {**module.fixed_gemm_meta(torch.float32, pair_row.numel()), "PERSISTENT": 1}
-    forced = module.forced_gemm_meta("_swiglu_bwd_dx_kernel", meta) if persistent else contextlib.nullcontext()
-    with forced, contextlib.nullcontext() if tma else module.tma_disabled():
+    meta = {**gemm_configs.fixed_gemm_meta(torch.float32, pair_row.numel()), "PERSISTENT": 1}
+    forced = gemm_configs.forced_gemm_meta("_swiglu_bwd_dx_kernel", meta) if persistent else contextlib.nullcontext()
+    with forced, contextlib.nullcontext() if tma else gemm_configs.tma_disabled():
         h = grouped_swiglu(x, pair_row, offsets, w)
         grad_out = torch.randn(h.shape, generator=gen).to(DEVICE)
         dx, dw = torch.autograd.grad(h, (x, w), grad_out)
@@ -280,11 +278,10 @@ def test_backward_dx_operand_paths_match_reference(tma, persistent, bwd_mode, po
 def test_weights_without_a_descriptor_layout_load_through_pointers(poisoned_empty):
     """A weight whose last dim is not contiguous cannot back a tensor descriptor: the pointer path
     runs and gives the same result."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     x, pair_row, offsets, w = make_case("npow2", torch.float16)
     w_strided = w.transpose(1, 2).contiguous().transpose(1, 2)
-    assert module.use_tma(w) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
-    assert not module.use_tma(w_strided)
+    assert gemm_configs.use_tma(w) == (DEVICE == "cpu" or torch.cuda.get_device_capability()[0] >= 9)
+    assert not gemm_configs.use_tma(w_strided)
     torch.testing.assert_close(grouped_swiglu(x, pair_row, offsets, w_strided).float(),
                                grouped_swiglu_ref(x.float(), pair_row, offsets, w.float()), atol=2e-2, rtol=1e-2)
 
@@ -301,7 +298,6 @@ def test_persistent_forward_and_dx_bf16_on_gpu(warp_spec):
     """The persistent tile loop (one program per SM) of the forward and dx GEMMs with descriptor
     operands, flattened and software-pipelined (the forward's also warp-specialised), against
     fp32 (forward and gradients)."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     meta = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "PERSISTENT": 1,
             "WARP_SPEC": warp_spec}
     gen = torch.Generator().manual_seed(4)
@@ -312,7 +308,8 @@ def test_persistent_forward_and_dx_bf16_on_gpu(warp_spec):
     x = torch.randn(rows, hidden, generator=gen).cuda().bfloat16()
     w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).cuda().bfloat16()
     dx_meta = {key: value for key, value in meta.items() if key != "WARP_SPEC"}     # dx has no such loop
-    with module.forced_gemm_meta("_swiglu_fwd_kernel", meta), module.forced_gemm_meta("_swiglu_bwd_dx_kernel", dx_meta):
+    with gemm_configs.forced_gemm_meta("_swiglu_fwd_kernel", meta), \
+            gemm_configs.forced_gemm_meta("_swiglu_bwd_dx_kernel", dx_meta):
         _check_bf16(x, pair_row.cuda(), offsets.cuda(), w)
 
 
@@ -336,19 +333,18 @@ def test_pinned_configs_at_the_measured_shapes_on_gpu(ffn):
     reference's h, dx and dW in bf16. (In a pytest run that also collected tests/ep this once read
     another config from LAST_LAUNCH_META: transformers had imported a second copy of the kernels,
     whose custom ops the recording forward ran; test_package.py covers the fix.)"""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     gen = torch.Generator().manual_seed(ffn)
     rows, hidden, experts, top_k = 2048, 2048, 64, 6          # 12,288 pairs > AUTOTUNE_MIN_PAIRS
     routing = [torch.randperm(experts, generator=gen)[:top_k].tolist() for _ in range(rows)]
     pair_row, offsets = pairs_from_rows(routing, experts)
     x = torch.randn(rows, hidden, generator=gen).cuda().bfloat16()
     w = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).cuda().bfloat16()
-    pinned = module.TUNED_GEMM_META[("_swiglu_fwd_kernel", 9, hidden, ffn, True)]
-    assert module.use_tma(w)
-    assert module.fixed_gemm_meta(torch.bfloat16, pair_row.numel(), "_swiglu_fwd_kernel", (hidden, ffn),
-                                  x.device, True) is pinned
+    pinned = gemm_configs.TUNED_GEMM_META[("_swiglu_fwd_kernel", 9, hidden, ffn, True)]
+    assert gemm_configs.use_tma(w)
+    assert gemm_configs.fixed_gemm_meta(torch.bfloat16, pair_row.numel(), "_swiglu_fwd_kernel", (hidden, ffn),
+                                        x.device, True) is pinned
     _check_bf16(x, pair_row.cuda(), offsets.cuda(), w)
-    assert module.LAST_LAUNCH_META["_swiglu_fwd_kernel"] is pinned
+    assert gemm_configs.LAST_LAUNCH_META["_swiglu_fwd_kernel"] is pinned
 
 
 @pytest.mark.gpu
@@ -365,8 +361,7 @@ def test_descriptor_kernels_replay_from_a_cuda_graph():
     gate = torch.rand(pair_row.numel(), generator=gen).cuda()
     w1 = (torch.randn(experts, 2 * ffn, hidden, generator=gen) / math.sqrt(hidden)).cuda().bfloat16()
     w2 = (torch.randn(experts, hidden, ffn, generator=gen) / math.sqrt(ffn)).cuda().bfloat16()
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
-    assert module.use_tma(w1)
+    assert gemm_configs.use_tma(w1)
 
     def layer(x):
         return grouped_down_reduce(grouped_swiglu(x, pair_row, offsets, w1), pair_row, gate, offsets, w2, rows)
@@ -433,8 +428,10 @@ def _compile_every_launch_for_sm90() -> int:
     from occult.kernels.combine import combine
     from occult.kernels.grouped_down_reduce import grouped_down_reduce
 
-    modules = [importlib.import_module(f"occult.kernels.{name}")
-               for name in ("grouped_swiglu", "grouped_down_reduce", "combine", "dispatch_plan")]
+    modules = {name: importlib.import_module(f"occult.kernels.{name}")
+               for name in ("grouped_swiglu", "grouped_swiglu_backward", "grouped_down_reduce", "combine",
+                            "dispatch_plan")}
+    backward_module = modules["grouped_swiglu_backward"]
     launches = []
 
     class Recorder:
@@ -444,7 +441,7 @@ def _compile_every_launch_for_sm90() -> int:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append((self.launchable, args, kwargs))
 
-    for module in modules:
+    for module in modules.values():
         for name, value in list(vars(module).items()):
             launched = isinstance(value, triton.runtime.Autotuner) or (
                 isinstance(value, triton.runtime.JITFunction) and name.endswith("_kernel"))
@@ -456,13 +453,14 @@ def _compile_every_launch_for_sm90() -> int:
              for hidden, ffn, num_pairs in ((64, 32, 9000), (48, 40, 100), (64, 128, 200))   # autotuned / fixed;
              # F = 128: the TMA dx GEMM
              for dtype in (torch.bfloat16, torch.float32)
-             for mode in modules[0].SWIGLU_BWD_MODES]
+             for mode in backward_module.SWIGLU_BWD_MODES]
     # CPU tensors never take the TMA path on their own: record both operand paths of the forwards.
-    with_tma = modules[0].use_tma
+    tma_users = [modules[name] for name in ("grouped_swiglu", "grouped_swiglu_backward", "grouped_down_reduce")]
+    with_tma = gemm_configs.use_tma
     for tma, (hidden, ffn, num_pairs, dtype, mode) in itertools.product((False, True), cases):
-        modules[0].use_tma = modules[1].use_tma = (
-            lambda *tensors, tma=tma: tma and all(modules[0].tma_matrix_ok(t) for t in tensors))
-        modules[0].SWIGLU_BWD_MODE = mode
+        for module in tma_users:
+            module.use_tma = lambda *tensors, tma=tma: tma and all(gemm_configs.tma_matrix_ok(t) for t in tensors)
+        backward_module.SWIGLU_BWD_MODE = mode
         experts, rows = 4, num_pairs // 2
         pair_row = torch.randint(0, rows, (num_pairs,), generator=gen)
         offsets = torch.tensor([0, num_pairs // 3, num_pairs // 3, num_pairs - 7, num_pairs])
@@ -475,14 +473,15 @@ def _compile_every_launch_for_sm90() -> int:
         brim = torch.randperm(2 * rows, generator=gen)[: rows].view(-1, 2)
         out = combine(y, brim)
         torch.autograd.grad(out, (x, w1, w2, gate), torch.randn_like(out))
-    modules[0].use_tma = modules[1].use_tma = with_tma
+    for module in tma_users:
+        module.use_tma = with_tma
     for dtype in (torch.bfloat16, torch.float32):      # the down dW's X_TMA operand (gathered, scaled rows)
-        grouped_down_reduce_module = modules[1]
+        grouped_down_reduce_module = modules["grouped_down_reduce"]
         grouped_down_reduce_module.gather_scale_rows(torch.randn(50, 64, dtype=dtype), torch.randint(0, 50, (90,)),
                                                      torch.rand(90), dtype)
 
     # the fused dedup plan + pack (kernel launches recorded, not run: the counts are placeholders)
-    plan_module = modules[3]
+    plan_module = modules["dispatch_plan"]
     for num_devices, top_k, dtype in ((2, 8, torch.bfloat16), (8, 6, torch.bfloat16), (4, 4, torch.float32)):
         experts = 8 * num_devices
         placement = torch.arange(experts) % num_devices
@@ -504,7 +503,7 @@ def _compile_every_launch_for_sm90() -> int:
             metas = [({**kwargs, **cfg.kwargs}, cfg.num_warps, cfg.num_stages) for cfg in configs]
             metas += [({**kwargs, **{k: v for k, v in tuned.items() if k not in ("num_warps", "num_stages")}},
                        tuned["num_warps"], tuned["num_stages"])            # the measured, pinned ones
-                      for key, tuned in modules[0].TUNED_GEMM_META.items()
+                      for key, tuned in gemm_configs.TUNED_GEMM_META.items()
                       if key[0] == fn.__name__ and key[4] == bool(kwargs.get("TMA", False))]   # pinned per path
             if "PERSISTENT" in fn.arg_names:      # the persistent tile loop of the first config
                 metas.append(({**metas[0][0], "PERSISTENT": True}, *metas[0][1:]))
@@ -555,10 +554,9 @@ def test_backward_ignores_padded_pairs_past_the_last_expert(tma, bwd_mode):
     last K block must read zeros there (its descriptor ends at the expert's last pair), and dx,
     summed through a row table that lists only real pairs (as the layer's plan does), must not
     see them."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     x, pair_row, offsets, w = make_case("npow2", torch.float32)
     n, ffn, pad = pair_row.numel(), w.shape[1] // 2, 5
-    _, preact = module.grouped_swiglu_forward(x, pair_row, offsets, w, True)
+    _, preact = grouped_swiglu_forward(x, pair_row, offsets, w, True)
     nan_rows = torch.full((pad, 2 * ffn), float("nan"), device=x.device)
     preact_pad = torch.cat([preact, nan_rows])
     row_pad = torch.cat([pair_row, torch.zeros(pad, dtype=pair_row.dtype, device=pair_row.device)])
@@ -567,9 +565,9 @@ def test_backward_ignores_padded_pairs_past_the_last_expert(tma, bwd_mode):
     table = torch.full((x.shape[0], 4), -1, dtype=torch.long)
     for m, r in enumerate(pair_row.tolist()):
         table[r, int((table[r] >= 0).sum())] = m
-    with contextlib.nullcontext() if tma else module.tma_disabled():
-        dx, dw = module.grouped_swiglu_backward(dh_pad, x, row_pad, offsets, w, preact_pad, True, True,
-                                                table.to(x.device), bwd_mode=bwd_mode)
+    with contextlib.nullcontext() if tma else gemm_configs.tma_disabled():
+        dx, dw = grouped_swiglu_backward(dh_pad, x, row_pad, offsets, w, preact_pad, True, True,
+                                         table.to(x.device), bwd_mode=bwd_mode)
     _, dx_ref, dw_ref = reference_grads(x, pair_row, offsets, w, dh)
     torch.testing.assert_close(dw, dw_ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(dx, dx_ref, atol=1e-4, rtol=1e-4)
@@ -582,22 +580,21 @@ def test_swiglu_dw_options_match_reference(case, options):
     """The SwiGLU dW GEMM's descriptor options (x gathered once in pair order; [dg | du] as one
     operand with one accumulator) give the reference dW, also with unwritten (NaN) rows of a padded
     plan past the last expert. bf16 on a GPU (the TMA path), fp32 in the interpreter."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     on_gpu = DEVICE == "cuda"
     dtype = torch.bfloat16 if on_gpu else torch.float32
     x, pair_row, offsets, w = make_case(case, dtype, seed=5)
     n, ffn, pad = pair_row.numel(), w.shape[1] // 2, 3
-    _, preact = module.grouped_swiglu_forward(x, pair_row, offsets, w, True)
+    _, preact = grouped_swiglu_forward(x, pair_row, offsets, w, True)
     nan_rows = torch.full((pad, 2 * ffn), float("nan"), device=x.device, dtype=dtype)
     dh = torch.randn(n, ffn, generator=torch.Generator().manual_seed(7)).to(x.device, dtype)
     # a padded plan's rows past the last expert may hold anything, out-of-range values included
     row_pad = torch.cat([pair_row, torch.tensor([-1, 10**6, 0][:pad], dtype=pair_row.dtype, device=pair_row.device)])
     blocks = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3} if on_gpu else \
         {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
-    with module.forced_gemm_meta("_swiglu_bwd_dw_kernel", {**blocks, **options}):
-        _, dw = module.grouped_swiglu_backward(torch.cat([dh, nan_rows[:, :ffn]]), x, row_pad, offsets, w,
-                                               torch.cat([preact, nan_rows]), False, True, None,
-                                               bwd_mode="materialized")
+    with gemm_configs.forced_gemm_meta("_swiglu_bwd_dw_kernel", {**blocks, **options}):
+        _, dw = grouped_swiglu_backward(torch.cat([dh, nan_rows[:, :ffn]]), x, row_pad, offsets, w,
+                                        torch.cat([preact, nan_rows]), False, True, None,
+                                        bwd_mode="materialized")
     _, _, dw_ref = reference_grads(x, pair_row, offsets, w, dh)
     if on_gpu:
         assert _rel_err(dw, dw_ref) <= 1e-2
@@ -607,22 +604,20 @@ def test_swiglu_dw_options_match_reference(case, options):
 
 def test_swiglu_dw_options_without_descriptors_are_refused():
     """X_TMA / ONE_ACC need descriptor operands: with them switched off the launcher says so."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     x, pair_row, offsets, w = make_case("npow2", torch.float32)
-    _, preact = module.grouped_swiglu_forward(x, pair_row, offsets, w, True)
+    _, preact = grouped_swiglu_forward(x, pair_row, offsets, w, True)
     dh = torch.randn(pair_row.numel(), w.shape[1] // 2).to(x.device)
-    with module.tma_disabled(), module.forced_gemm_meta(
+    with gemm_configs.tma_disabled(), gemm_configs.forced_gemm_meta(
             "_swiglu_bwd_dw_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "ONE_ACC": 1}):
         with pytest.raises(ValueError, match="needs descriptor operands"):
-            module.grouped_swiglu_backward(dh, x, pair_row, offsets, w, preact, False, True, None,
-                                           bwd_mode="materialized")
+            grouped_swiglu_backward(dh, x, pair_row, offsets, w, preact, False, True, None,
+                                    bwd_mode="materialized")
 
 
 def test_swiglu_dw_gathered_rows_must_be_descriptor_addressable():
     """X_TMA gathers x into [M, D] rows a descriptor loads: 24-byte rows (D = 6 in fp32 in the
     interpreter, D = 12 in bf16 on a GPU, where only 16-bit inputs take descriptors) are refused
     before anything is gathered."""
-    module = importlib.import_module("occult.kernels.grouped_swiglu")
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     hidden = 24 // torch.tensor([], dtype=dtype).element_size()
     gen = torch.Generator().manual_seed(2)
@@ -630,9 +625,10 @@ def test_swiglu_dw_gathered_rows_must_be_descriptor_addressable():
     x = torch.randn(3, hidden, generator=gen).to(DEVICE, dtype)
     w = torch.randn(2, 16, hidden, generator=gen).to(DEVICE, dtype)
     pair_row, offsets = pair_row.to(DEVICE), offsets.to(DEVICE)
-    _, preact = module.grouped_swiglu_forward(x, pair_row, offsets, w, True)
+    _, preact = grouped_swiglu_forward(x, pair_row, offsets, w, True)
     dh = torch.randn(pair_row.numel(), 8, generator=gen).to(DEVICE, dtype)
-    with module.forced_gemm_meta("_swiglu_bwd_dw_kernel", {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "X_TMA": 1}):
+    with gemm_configs.forced_gemm_meta("_swiglu_bwd_dw_kernel",
+                                       {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "X_TMA": 1}):
         with pytest.raises(ValueError, match="multiple of 16 bytes, got 24"):
-            module.grouped_swiglu_backward(dh, x, pair_row, offsets, w, preact, False, True, None,
-                                           bwd_mode="materialized")
+            grouped_swiglu_backward(dh, x, pair_row, offsets, w, preact, False, True, None,
+                                    bwd_mode="materialized")

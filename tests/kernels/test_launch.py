@@ -10,7 +10,7 @@ import pytest
 import torch
 
 launch_module = importlib.import_module("occult.kernels.launch")
-swiglu_module = importlib.import_module("occult.kernels.grouped_swiglu")
+swiglu_backward = importlib.import_module("occult.kernels.grouped_swiglu_backward")
 
 
 def _preact_case(pairs: int, ffn: int, offset: int, seed: int):
@@ -47,11 +47,11 @@ def test_direct_launches_match_the_normal_launch_per_specialisation(monkeypatch)
     for index, (pairs, ffn, offset) in enumerate(cases):
         dh, preact = _preact_case(pairs, ffn, offset, seed=index)
         monkeypatch.setattr(launch_module, "FAST_LAUNCH", [False])
-        want = swiglu_module.swiglu_preact_grad(dh, preact, torch.bfloat16)
+        want = swiglu_backward.swiglu_preact_grad(dh, preact, torch.bfloat16)
         monkeypatch.setattr(launch_module, "FAST_LAUNCH", [True])
         before, entries = calls["normal"], len(launch_module._COMPILED)
-        first = swiglu_module.swiglu_preact_grad(dh, preact, torch.bfloat16)
-        second = swiglu_module.swiglu_preact_grad(dh, preact, torch.bfloat16)
+        first = swiglu_backward.swiglu_preact_grad(dh, preact, torch.bfloat16)
+        second = swiglu_backward.swiglu_preact_grad(dh, preact, torch.bfloat16)
         torch.cuda.synchronize()
         assert calls["normal"] == before + 1            # only the first went through Triton's run
         assert len(launch_module._COMPILED) == entries + 1, f"case {index}: no entry of its own"
@@ -71,10 +71,10 @@ def test_a_failing_lookup_falls_back_to_the_normal_launch_for_good(monkeypatch):
     monkeypatch.setattr(launch_module, "_lookup", broken)
     dh, preact = _preact_case(40, 32, 0, seed=7)
     monkeypatch.setattr(launch_module, "FAST_LAUNCH", [False])
-    want = swiglu_module.swiglu_preact_grad(dh, preact, torch.bfloat16)
+    want = swiglu_backward.swiglu_preact_grad(dh, preact, torch.bfloat16)
     monkeypatch.setattr(launch_module, "FAST_LAUNCH", [True])
     with pytest.warns(RuntimeWarning, match="direct launches disabled"):
-        got = swiglu_module.swiglu_preact_grad(dh, preact, torch.bfloat16)
+        got = swiglu_backward.swiglu_preact_grad(dh, preact, torch.bfloat16)
     assert launch_module.FAST_LAUNCH[0] is False
     assert torch.equal(got, want)
 

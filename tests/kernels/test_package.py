@@ -15,7 +15,7 @@ ONE_COPY = """
 import sys
 import torch
 import transformers.integrations.hub_kernels
-from occult.kernels import grouped_swiglu as swiglu_module
+from occult.kernels import gemm_configs
 from occult.kernels.grouped_swiglu import grouped_swiglu
 top = sys.modules.get("kernels")
 assert top is None or not hasattr(top, "grouped_swiglu"), top
@@ -23,10 +23,10 @@ assert not any(name.startswith("kernels.") and "swiglu" in name for name in sys.
 x = torch.randn(8, 32, requires_grad=True)
 w = torch.randn(2, 32, 32, requires_grad=True)
 meta = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1}
-swiglu_module.LAST_LAUNCH_META.clear()
-with swiglu_module.forced_gemm_meta("_swiglu_fwd_kernel", meta):
+gemm_configs.LAST_LAUNCH_META.clear()
+with gemm_configs.forced_gemm_meta("_swiglu_fwd_kernel", meta):
     grouped_swiglu(x, torch.arange(8), torch.tensor([0, 4, 8]), w).sum().backward()
-assert swiglu_module.LAST_LAUNCH_META["_swiglu_fwd_kernel"] == meta, swiglu_module.LAST_LAUNCH_META
+assert gemm_configs.LAST_LAUNCH_META["_swiglu_fwd_kernel"] == meta, gemm_configs.LAST_LAUNCH_META
 print("one copy")
 """
 
