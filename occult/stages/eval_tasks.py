@@ -6,7 +6,7 @@ directory does not matter). Load them with
 `lm_eval.tasks.TaskManager(include_path=str(dest), include_defaults=False)`.
 
 Prompts follow the formats of lm-eval's built-in tasks, written here as Jinja over the
-normalised fields of `occult.stages.data.EVAL_FIELDS`:
+normalised fields of `occult.stages.eval_sets.EVAL_FIELDS`:
 - Winogrande is scored by partial evaluation: the two contexts are the sentence up to the blank
   with each option filled in, the continuation is the rest of the sentence (`doc_to_text` gives
   the gold index, which makes lm-eval treat the choices as contexts).

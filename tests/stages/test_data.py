@@ -8,19 +8,9 @@ from pathlib import Path
 import pytest
 
 from occult.config import DataConfig
-from occult.stages.data import (
-    EVAL_FIELDS,
-    SOURCES,
-    DataError,
-    Document,
-    Pair,
-    build_data,
-    build_instruction_pairs,
-    cap_documents,
-    load_eval_examples,
-    rng_for,
-    split_documents,
-)
+from occult.stages.corpus import SOURCES, DataError
+from occult.stages.data import build_data
+from occult.stages.eval_sets import EVAL_FIELDS
 
 CAP = 20_000
 TINY = DataConfig(
@@ -135,11 +125,6 @@ def test_same_seed_gives_identical_files_other_seed_differs(built, tmp_path):
     assert (out / "eval/piqa.jsonl").read_bytes() != (other / "eval/piqa.jsonl").read_bytes()
 
 
-def test_missing_eval_data_names_the_task(tmp_path):
-    with pytest.raises(DataError, match="'piqa'.*nothing matches"):
-        load_eval_examples("piqa", 5, 0, root=tmp_path)
-
-
 def test_unknown_task_or_source_is_a_clear_error(tmp_path):
     import dataclasses
 
@@ -148,48 +133,3 @@ def test_unknown_task_or_source_is_a_clear_error(tmp_path):
     with pytest.raises(DataError, match=r"data\.sources"):
         build_data(dataclasses.replace(TINY, sources=("kjv", "alpaca")), 0, tmp_path)
     assert not (tmp_path / "corpus").exists()
-
-
-def test_full_eval_set_when_examples_is_none():
-    rows, available = load_eval_examples("copa", None, 0)
-    assert len(rows) == available == 100
-    assert [r["id"] for r in rows] == [f"copa-{i}" for i in range(100)]
-
-
-def _doc(i: int, size: int) -> Document:
-    return Document("kjv", f"kjv:{i}", ("line\n" * size)[:size])
-
-
-def test_cap_keeps_whole_documents_and_cuts_the_last_at_a_line_break():
-    docs = [_doc(i, 1000) for i in range(10)]
-    kept = cap_documents(iter(docs), 3500)
-    assert [d.doc_id for d in kept] == ["kjv:0", "kjv:1", "kjv:2", "kjv:3"]
-    assert len(kept[-1].text) <= 500 and kept[-1].text.endswith("line")
-    assert sum(len(d.text) for d in kept) <= 3500
-    assert len(cap_documents(iter(docs), 3100)) == 3          # a 100-char remainder is dropped
-
-
-def test_split_is_seeded_and_keeps_both_sides():
-    docs = [_doc(i, 10) for i in range(40)]
-    a = split_documents(docs, 0.1, rng_for(0, "split"))
-    b = split_documents(docs, 0.1, rng_for(0, "split"))
-    c = split_documents(docs, 0.1, rng_for(1, "split"))
-    assert len(a["heldout"]) == 4 and len(a["train"]) == 36
-    assert a == b and a["heldout"] != c["heldout"]
-    tiny = split_documents(docs[:2], 0.01, rng_for(0, "split"))
-    assert len(tiny["train"]) == len(tiny["heldout"]) == 1
-
-
-def test_pairs_mix_evenly_and_stop_when_sources_run_out():
-    verses = tuple(("verse", f"Genesis 1:{v}", f"and the word number {v} was spoken over all the waters")
-                   for v in range(1, 4))
-    kjv = Document("kjv", "kjv:1", "\n".join(text for _, _, text in verses), verses)
-    turns = tuple(("turn", str(i), f"this is chat message number {i}") for i in range(40))
-    chat = Document("chitchat", "chitchat:x", "\n".join(f"A: {t}" for _, _, t in turns), turns)
-    pairs = build_instruction_pairs({"kjv": [kjv], "chitchat": [chat]}, 20, seed=0)
-    assert len(pairs) == 20
-    assert sum(p.source == "kjv" for p in pairs) == 3          # all that kjv has; chat fills the rest
-    assert all(isinstance(p, Pair) for p in pairs)
-    everything = build_instruction_pairs({"kjv": [kjv], "chitchat": [chat]}, 1000, seed=0)
-    assert len(everything) == 3 + 39                              # fewer than asked: sources ran out
-    assert pairs == build_instruction_pairs({"kjv": [kjv], "chitchat": [chat]}, 20, seed=0)

@@ -8,7 +8,9 @@ import pytest
 import torch
 import yaml
 
-from occult.stages.data import EVAL_FIELDS, load_eval_examples, train_tokenizer, write_jsonl
+from occult.stages.data import write_jsonl
+from occult.stages.eval_sets import EVAL_FIELDS, load_eval_examples
+from occult.stages.tokenizer import train_tokenizer
 from occult.stages.eval_tasks import CHANCE, PROMPTS, TASK_NAMES, TaskError, make_task_dir
 
 TASKS = list(EVAL_FIELDS)

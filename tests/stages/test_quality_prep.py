@@ -257,7 +257,8 @@ def test_continuation_logits_equal_the_full_forward(arch):
 
 
 def test_sharegpt_reader_decodes_a_truncated_array_and_builds_first_turn_pairs(tmp_path):
-    from occult.stages.data import Document, sharegpt_conversations, sharegpt_pairs
+    from occult.stages.corpus import Document, sharegpt_conversations
+    from occult.stages.instructions import sharegpt_pairs
 
     good = {"id": "a_0", "conversations": [{"from": "human", "value": "What is a noun used for?"},
                                            {"from": "gpt", "value": "A noun names a person, place or thing."}]}
