@@ -1,6 +1,6 @@
 """Run a command while `nvidia-smi` samples its GPUs' clocks, power, temperature and clock-limit
 reasons every `--interval-ms` (what sets a kernel's rate under sustained load; the kernel
-benchmark's rows carry their start and end times, `started_unix_ms`/`ended_unix_ms`, to match).
+benchmark's rows hold their start and end times, `started_unix_ms`/`ended_unix_ms`, to match).
 
     python -m occult.harness.telemetry --out telemetry.csv -- python -m occult.harness.kernel_bench --out kernels.csv
 

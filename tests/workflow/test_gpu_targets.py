@@ -30,6 +30,8 @@ GPU_TARGETS = {
     "compare_shared_host": ("results/box/host_probe_v1/shared_host_ab.csv", 1, False),
     "bench_train_step": ("results/tiny/model/trainbench.csv", 1, False),
 }
+# the latency sweeps (workflow/rules/gpu.smk), dry-run with the others
+ALL_TARGETS = {**GPU_TARGETS, "run_gpu_sweep": ("results/box/sweeps_v1/sweep_train_D2_uniform.csv", 2, True)}
 GPU_RULE_FILES = sorted((REPO / "workflow" / "rules").glob("gpu_*.smk"))
 
 
@@ -75,13 +77,13 @@ def test_every_rule_the_gpu_profile_gives_a_gpu_starts_through_the_allocator():
 
 
 def test_each_gpu_target_dry_runs_with_its_gpus_and_one_rank_per_gpu(tmp_path):
-    targets = [target for target, _, _ in GPU_TARGETS.values()]
+    targets = [target for target, _, _ in ALL_TARGETS.values()]
     out = snakemake(tmp_path, "-n", "-p", "--workflow-profile", str(PROFILES / "gpu"), "--resources", "gpus=8",
                     "--", *targets)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
     found = jobs(log)
-    for rule, (target, gpus, ranks) in GPU_TARGETS.items():
+    for rule, (target, gpus, ranks) in ALL_TARGETS.items():
         assert rule in found, f"{rule}: no job for {target}"
         (job,) = found[rule]
         assert re.search(rf"resources: .*\bgpus={gpus}\b", job), job
@@ -127,11 +129,11 @@ def test_no_gpu_rule_runs_in_the_default_dag():
 
 @pytest.mark.skipif(not HAS_SLURM_PLUGIN, reason="snakemake-executor-plugin-slurm is not installed")
 def test_slurm_profile_asks_for_each_gpu_targets_gpus(tmp_path):
-    targets = [target for target, _, _ in GPU_TARGETS.values()]
+    targets = [target for target, _, _ in ALL_TARGETS.values()]
     out = snakemake(tmp_path, "-n", "--workflow-profile", str(PROFILES / "slurm"), "--", *targets)
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-3000:]
     found = jobs(log)
-    for rule, (_, gpus, _) in GPU_TARGETS.items():
+    for rule, (_, gpus, _) in ALL_TARGETS.items():
         (job,) = found[rule]
         assert re.search(rf"resources: .*\bgpu={gpus}\b", job) and "slurm_partition=gpu" in job, job

@@ -4,7 +4,7 @@
 # `archive` packs what the run has written so far.
 #
 #   run_target.sh start TARGET ... [SNAKEMAKE OPTION ...]
-#       snakemake --workflow-profile $RUN_TARGET_PROFILE TARGET ... in a new session (setsid);
+#       snakemake --workflow-profile $RUN_TARGET_PROFILE TARGET ..., detached (setsid, nohup);
 #       refuses to start while a run of this state folder is alive.
 #   run_target.sh poll [SECONDS]
 #       wait up to SECONDS (default 0) for the run to end, then print the log's tail and Snakemake's
