@@ -7,7 +7,7 @@ without Snakemake:
     occult data      --config C --out work/tiny/data
     occult pretrain  --config C --data D --out M --log L --structure S
     occult profile   --config C --model M --data D --out P
-    occult place     --config C --profile P --out DIR --table T
+    occult place     --config C --profile P --out DIR --table T [--cost-model J]
     occult finetune  --config C --variant V --model M --data D --profile P --placements DIR --out M2 --log L
     occult evaluate  --config C --variant V --model M2 --data D --profile P --placements DIR --out J
     occult bench     --config C --profile P --placements DIR --out CSV
@@ -83,7 +83,8 @@ def _profile(args, cfg) -> None:
 def _place(args, cfg) -> None:
     from occult.routing.placement import run_placement
 
-    run_placement(cfg, Path(args.profile), Path(args.out), Path(args.table))
+    run_placement(cfg, Path(args.profile), Path(args.out), Path(args.table),
+                  Path(args.cost_model) if args.cost_model else None)
 
 
 def _finetune(args, cfg) -> None:
@@ -153,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
           ("--model", "checkpoint directory"), ("--data", "data directory"), ("--out", "profile directory"))
     stage("place", _place, "expert placements for every device count and method",
           ("--profile", "profile directory"), ("--out", "placement directory"), ("--table", "E[C_T] table CSV"),
-          outputs=("--out", "--table"))
+          outputs=("--out", "--table")).add_argument(
+        "--cost-model", default=None, metavar="JSON",
+        help="the latency placement's cost model (a simulate stage's cost_model.json; default: the shipped one)")
     p = stage("finetune", _finetune, "fine-tune one variant (SFT or collaboration pruning)",
               ("--model", "base checkpoint"), ("--data", "data directory"), ("--profile", "profile directory"),
               ("--placements", "placement directory"), ("--out", "output checkpoint"), ("--log", "loss log CSV"),

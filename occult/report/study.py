@@ -210,6 +210,42 @@ def plot_placement_study(study: pd.DataFrame, path: Path) -> None:
     _savefig(fig, path)
 
 
+TRADEOFF_MARKERS = {"contiguous": "s", "greedy": "^", "swap": "v", "load_aware": "D", "eplb": "P", "latency": "*"}
+
+
+def plot_latency_tradeoff(tradeoff: pd.DataFrame, path: Path, devices=(2, 4, 8)) -> None:
+    """Per trace (rows) and D (columns), the first layer: E[C_T] against the busiest device's load over
+    the mean for the candidates the latency search visited (colour: predicted ms), each method marked
+    and labelled with its predicted layer time (calibration split)."""
+    traces = list(dict.fromkeys(tradeoff["trace"]))
+    chosen = [d for d in devices if d in set(tradeoff["D"])] or sorted(set(tradeoff["D"]))[:3]
+    fig, axes = plt.subplots(len(traces), len(chosen), figsize=(4.2 * len(chosen), 3.4 * len(traces)), squeeze=False)
+    for i, trace in enumerate(traces):
+        part = tradeoff[tradeoff["trace"] == trace]
+        first = str(part["layer"].astype(str).iloc[0])
+        for j, num_devices in enumerate(chosen):
+            ax = axes[i][j]
+            rows = part[(part["D"] == num_devices) & (part["layer"].astype(str) == first)]
+            if rows.empty:
+                ax.set_visible(False)
+                continue
+            walk = rows[rows["kind"] == "path"]
+            dots = ax.scatter(walk["max_device_load_over_mean"], walk["expected_ct"], c=walk["predicted_ms"], s=6,
+                              cmap="viridis", alpha=0.6)
+            fig.colorbar(dots, ax=ax, shrink=0.85).set_label("predicted ms", fontsize=7)
+            marked = rows[(rows["kind"] == "method") & rows["method"].isin(list(TRADEOFF_MARKERS))]
+            for row in marked.itertuples():
+                ax.scatter(row.max_device_load_over_mean, row.expected_ct, marker=TRADEOFF_MARKERS.get(row.method, "o"),
+                           s=70 if row.method == "latency" else 36, edgecolor="k", facecolor="none" if
+                           row.method != "latency" else "#d62728", label=f"{row.method} {row.predicted_ms:.2f} ms")
+            ax.set_title(f"{trace}, layer {first}, D={num_devices}", fontsize=8)
+            ax.set_xlabel("busiest device's load / mean", fontsize=8)
+            ax.set_ylabel("E[C_T] (calibration)", fontsize=8)
+            ax.legend(fontsize=5.5, loc="best")
+    fig.tight_layout()
+    _savefig(fig, path)
+
+
 def make_report(cfg: Config, results_dir: Path, figures_dir: Path, profile_npz: Path | None = None) -> None:
     meta = provenance(cfg.hash(), cfg.seed, stage="report")
     with atomic_path(results_dir / "config.yaml") as tmp:

@@ -10,6 +10,8 @@ Methods:
 - `greedy`: the paper's Algorithm 1 on the pairwise co-activation matrix.
 - `swap`: local search from `greedy` that lowers the k-way objective E[C_T] on a calibration
   routing trace directly; judged on a held-out trace.
+- `latency`: the placement of lowest predicted layer time (`occult.routing.latency`), by the
+  calibrated cost model of the scale simulator.
 
 `run_placement` is the pipeline stage: profile → `D{D}_{method}.json` per (D, method) and one long
 table of E[C_T], its bounds, device load balance and the share of intra-device pairs.
@@ -30,7 +32,7 @@ from occult.config import Config
 from occult.logs import progress
 from occult.provenance import provenance, write_csv, write_json
 
-METHODS = ("contiguous", "greedy", "swap")
+METHODS = ("contiguous", "greedy", "swap", "latency")
 
 
 class PlacementFileError(ValueError):
@@ -313,8 +315,10 @@ class _SwapState:
 
 
 def place(method: str, coact_EE: np.ndarray, ids_calib_NK: np.ndarray, num_devices: int,
-          swap_rounds: int, seed: int) -> np.ndarray:
-    """One layer's placement by method name: `contiguous`, `greedy`, or `swap` (from greedy)."""
+          swap_rounds: int, seed: int, layer: Any = None) -> np.ndarray:
+    """One layer's placement by method name: `contiguous`, `greedy`, `swap` (from greedy), or `latency`
+    (priced by `layer`, an `occult.routing.latency.LayerCost`; from the best of the others, load_aware
+    and EPLB-style)."""
     num_experts = np.asarray(coact_EE).shape[0]
     if method == "contiguous":
         return contiguous(num_experts, num_devices)
@@ -322,6 +326,13 @@ def place(method: str, coact_EE: np.ndarray, ids_calib_NK: np.ndarray, num_devic
         return greedy_occult(coact_EE, num_devices)
     if method == "swap":
         return swap_search(ids_calib_NK, num_devices, greedy_occult(coact_EE, num_devices), swap_rounds, seed)
+    if method == "latency":
+        from occult.routing.latency import default_starts, latency_search
+
+        if layer is None:
+            raise ValueError("placement method 'latency' needs the layer's cost (a LayerCost)")
+        starts = default_starts(ids_calib_NK, num_experts, num_devices, swap_rounds, seed)
+        return latency_search(ids_calib_NK, num_devices, layer, starts, swap_rounds, seed).device_of_expert
     raise ValueError(f"placement method {method!r} is not one of {', '.join(METHODS)}")
 
 
@@ -329,7 +340,8 @@ def place(method: str, coact_EE: np.ndarray, ids_calib_NK: np.ndarray, num_devic
 # Pipeline stage
 
 
-def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path) -> None:
+def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path,
+                  cost_model: Path | None = None) -> None:
     """Place every profiled layer for each D in `cfg.placement.devices` and each method.
 
     Reads `profile.npz`, `routing_calibration.npz` and `routing_heldout.npz` from `profile_dir`;
@@ -338,7 +350,8 @@ def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path
     calibration data only (co-activation counts; the calibration trace for `swap`). Load balance
     (busiest device's expert assignments over the mean) and the intra-device pair share are
     measured on the held-out trace, like `expected_ct_heldout`. Layer i's swap search is seeded
-    with `cfg.seed + i`.
+    with `cfg.seed + i`. `latency` prices the model's layer shape with `cost_model` (a simulate
+    stage's `cost_model.json`; None: the model shipped with the package).
     """
     import pandas as pd
 
@@ -361,6 +374,7 @@ def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path
         if method not in METHODS:
             raise ValueError(f"placement.methods: {method!r} is not one of {', '.join(METHODS)}")
 
+    layer_cost = model_layer_cost(cfg, cost_model) if "latency" in pcfg.methods else None
     meta = provenance(cfg.hash(), cfg.seed, stage="placement")
     rows: list[dict[str, Any]] = []
     jobs = [(d, m) for d in pcfg.devices for m in pcfg.methods]
@@ -371,7 +385,7 @@ def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path
             method_rows = []
             for i, layer in enumerate(layers):
                 device_of_expert = place(method, coact_LEE[i], calib_LNK[i], num_devices,
-                                         pcfg.swap_rounds, cfg.seed + i)
+                                         pcfg.swap_rounds, cfg.seed + i, layer_cost)
                 placements.append(device_of_expert)
                 heldout = trace_metrics(heldout_LNK[i], device_of_expert, num_devices)
                 method_rows.append({
@@ -399,6 +413,18 @@ def run_placement(cfg: Config, profile_dir: Path, out_dir: Path, table_csv: Path
                 "provenance": meta,
             })
     write_csv(table_csv, pd.DataFrame(rows), meta=meta)
+
+
+def model_layer_cost(cfg: Config, cost_model: Path | None = None):
+    """The `LayerCost` of the configured model's MoE layer (E, k, hidden size, expert width), at the
+    latency objective's default batch, by `cost_model` (None: the shipped model)."""
+    from occult.harness.baselines import MoEShape
+    from occult.routing.latency import LayerCost
+    from occult.sim.cost_model_json import builtin_cost_model, read_cost_model
+
+    m = cfg.model
+    cost = (builtin_cost_model() if cost_model is None else read_cost_model(cost_model))[0]
+    return LayerCost(cost, MoEShape(cfg.run, m.num_experts, m.top_k, m.hidden_size, m.expert_ffn))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -127,10 +127,10 @@ def cost_model_source(settings: Any, meta: dict[str, Any]) -> dict[str, Any]:
     was calibrated on (`settings`: the `simulate` section; `meta`: the stage's provenance)."""
     return {"commit": meta.get("commit"), "config_hash": meta.get("config_hash"), "created": meta.get("created"),
             "made_by": "occult.sim.run (rule simulate_scale): calibrate on simulate.calibration",
-            "calibration": list(settings.calibration), "folders": dict(getattr(settings, "folders", {})),
-            "alltoall_csv": settings.alltoall_csv, "gemm_csv": settings.gemm_csv,
-            "gpus_per_node": settings.gpus_per_node, "inter_node_gbps": settings.inter_node_gbps,
-            "inter_node_latency_us": settings.inter_node_latency_us}
+            "calibration": list(getattr(settings, "calibration", ())),
+            "folders": dict(getattr(settings, "folders", None) or {}),
+            **{key: getattr(settings, key, None) for key in ("alltoall_csv", "gemm_csv", "gpus_per_node",
+                                                             "inter_node_gbps", "inter_node_latency_us")}}
 
 
 def write_cost_model(path: str | Path, cost: CostModel, source: dict[str, Any]) -> None:

@@ -2,7 +2,10 @@
 
 `run_study` places each layer of each trace (calibration split) with each method for each D
 that divides E, and measures on the held-out split: E[C_T], its bounds, E[C_T] in nodes, the
-intra-device pair share, max/mean device load and the time taken. `sensitivity` measures how
+intra-device pair share, max/mean device load, the predicted layer time (on both splits) and the
+time taken. With `latency` it also writes the search's trade-off path (E[C_T] against load, with
+every start marked) and the latency placement with R = 0, 1, 2 spare slots per device
+(`occult.stages.placement_latency`). `sensitivity` measures how
 E[C_T] on held-out text depends on the calibration size (prefixes of the calibration trace) and
 on domain shift (calibrate on one corpus source, evaluate on another). The CLI runs both on a
 profile directory (our model) and on the synthetic OLMoE, Qwen-MoE and DeepSeek-MoE presets:
@@ -27,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from occult.config import config_hash
+from occult.routing.latency import DEFAULT_TOKENS_PER_GPU, latency_search
 from occult.logs import ENV_LOG_JSON, progress, run_main
 from occult.routing.placement import (
     contiguous,
@@ -49,8 +53,16 @@ from occult.routing.placement_methods import (
     synthetic_preset,
 )
 from occult.provenance import provenance, write_csv
+from occult.stages.placement_latency import (
+    TRADEOFF_METHODS,
+    latency_summary,
+    layer_cost_at,
+    replica_rows,
+    trace_shape,
+    tradeoff_rows,
+)
 
-STUDY_METHODS = ("contiguous", "greedy", "pair_greedy", "swap", "load_aware", "hierarchical", "metis", "eplb")
+STUDY_METHODS = ("contiguous", "greedy", "pair_greedy", "swap", "load_aware", "hierarchical", "metis", "eplb", "latency")
 SENSITIVITY_METHODS = ("greedy", "pair_greedy", "swap")
 MAX_DEVICES = 64
 
@@ -62,7 +74,12 @@ class SearchConfig:
     swap_rounds: int = 20
     kicks: int = 8            # perturb-and-descend restarts of the swap searches
     eps: float = 0.1          # load_aware: max device load <= (1 + eps) * mean
-    gpus_per_node: int = 4    # hierarchical (and the node-level metric of every method)
+    gpus_per_node: int = 4    # hierarchical (and the node-level metric of every method, and latency's links)
+    tokens_per_gpu: int = DEFAULT_TOKENS_PER_GPU   # latency: the batch per GPU it prices (forward)
+    latency_kicks: int = 4    # latency: perturb-and-descend restarts
+    replica_slots: tuple[int, ...] = (1, 2)        # latency with R spare slots per device (R = 0 always)
+    replica_devices: tuple[int, ...] = (2, 4, 8)   # the D with replica rows
+    replica_rounds: int = 1   # passes of the copy moves
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,8 @@ class RoutingSplits:
     """Calibration and held-out routing [L, N, k] of one model (or synthetic shape).
 
     `sources` [N] index `source_names` (as in occult.routing.profiling's routing files); empty when unknown.
+    `shape`: the MoE layer shape that prices it (`occult.harness.baselines.MoEShape`; None:
+    `placement_latency.trace_shape`'s default).
     """
 
     calib_LNK: np.ndarray
@@ -79,6 +98,7 @@ class RoutingSplits:
     calib_sources: np.ndarray | None = None
     heldout_sources: np.ndarray | None = None
     source_names: tuple[str, ...] = ()
+    shape: Any = None
 
 
 def as_splits(name: str, value: RoutingSplits | tuple[np.ndarray, np.ndarray]) -> RoutingSplits:
@@ -121,16 +141,21 @@ def gpus_per_node_for(num_devices: int, preferred: int) -> int:
 
 
 class _LayerPlacer:
-    """Places one layer for one D; caches the swap result that load_aware starts from."""
+    """Places one layer for one D; caches every placement (load_aware starts from swap, latency from
+    all of them) and the latency search's result."""
 
-    def __init__(self, calib_NK: np.ndarray, num_experts: int, num_devices: int, search: SearchConfig, seed: int):
+    def __init__(self, calib_NK: np.ndarray, num_experts: int, num_devices: int, search: SearchConfig, seed: int,
+                 layer_cost: Any = None):
         self.calib_NK = calib_NK
         self.num_experts = num_experts
         self.num_devices = num_devices
         self.search = search
         self.seed = seed
+        self.layer_cost = layer_cost
         self.coact_EE = coactivation_matrix(calib_NK, num_experts)
         self._swap: tuple[np.ndarray, float] | None = None
+        self._placed: dict[str, tuple[np.ndarray, float]] = {}
+        self.latency = None
 
     def swap(self) -> tuple[np.ndarray, float]:
         if self._swap is None:
@@ -142,8 +167,24 @@ class _LayerPlacer:
         return self._swap
 
     def place(self, method: str) -> tuple[np.ndarray, float]:
-        """(device_of_expert, seconds); load_aware's seconds include the swap search it starts from."""
+        """(device_of_expert, seconds); load_aware's seconds include the swap search it starts from,
+        latency's every placement it starts from."""
+        if method not in self._placed:
+            self._placed[method] = self._place(method)
+        return self._placed[method]
+
+    def _place(self, method: str) -> tuple[np.ndarray, float]:
         E, D, s = self.num_experts, self.num_devices, self.search
+        if method == "latency":
+            if self.layer_cost is None:
+                raise ValueError("placement method 'latency' needs a layer cost")
+            for name in TRADEOFF_METHODS[:-1]:
+                self.place(name)
+            starts = {name: placed for name, (placed, _) in self._placed.items()}
+            self.latency = latency_search(self.calib_NK, D, self.layer_cost, starts, s.swap_rounds, self.seed,
+                                          kicks=s.latency_kicks)
+            start_seconds = sum(self._placed[name][1] for name in TRADEOFF_METHODS[:-1])
+            return self.latency.device_of_expert, self.latency.seconds + start_seconds
         if method == "swap":
             return self.swap()
         if method == "load_aware":
@@ -168,35 +209,67 @@ class _LayerPlacer:
         return placed, time.perf_counter() - start
 
 
-def _measure(heldout_NK: np.ndarray, placed: np.ndarray, num_devices: int, gpus_per_node: int) -> dict[str, float]:
+def _measure(heldout_NK: np.ndarray, placed: np.ndarray, num_devices: int, gpus_per_node: int,
+             placer: _LayerPlacer) -> dict[str, float]:
     metrics = trace_metrics(heldout_NK, placed, num_devices)
-    return {
+    out = {
         "expected_ct_heldout": metrics["expected_ct"],
         "inter_node_ct_heldout": expected_node_ct(heldout_NK, placed, gpus_per_node),
         "intra_device_pair_fraction": metrics["intra_device_pair_fraction"],
         "max_device_load_over_mean": metrics["max_device_load_over_mean"],
     }
+    if placer.layer_cost is not None:
+        out["predicted_ms_heldout"] = placer.layer_cost.predict(heldout_NK, placed, num_devices).predicted_ms
+        out["predicted_ms_calibration"] = placer.layer_cost.predict(placer.calib_NK, placed, num_devices).predicted_ms
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # The study
 
 
+@dataclass
+class StudyTables:
+    """The study's tables: `study` (long rows), `tradeoff` (the latency search's path and the
+    methods it started from) and `replicas` (latency with spare slots); the last two are empty
+    without `latency` among the methods."""
+
+    study: pd.DataFrame
+    tradeoff: pd.DataFrame
+    replicas: pd.DataFrame
+
+
 def study_rows(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarray]],
                devices: Sequence[int] | None, methods: Sequence[str], seed: int,
-               search: SearchConfig = SearchConfig()) -> pd.DataFrame:
-    """Long rows (trace, layer, D, method, metrics, seconds, status), plus layer="mean" rows.
+               search: SearchConfig = SearchConfig(), cost: Any = None) -> pd.DataFrame:
+    """Long rows (trace, layer, D, method, metrics, seconds, status), plus layer="mean" rows
+    (`study_tables(...).study`)."""
+    return study_tables(traces, devices, methods, seed, search, cost).study
+
+
+def study_tables(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarray]],
+                 devices: Sequence[int] | None, methods: Sequence[str], seed: int,
+                 search: SearchConfig = SearchConfig(), cost: Any = None) -> StudyTables:
+    """Every table of the study (`StudyTables`).
 
     A method that cannot run (METIS without `pymetis`) gives status "unavailable: ..." and empty
-    metrics; nothing is substituted. Layer i is placed with seed + i.
+    metrics; nothing is substituted. Layer i is placed with seed + i. Every placement is priced
+    by `cost` (an `occult.sim.cost_model.CostModel`; None: the shipped one) on the trace's layer
+    shape, at `search.tokens_per_gpu`, with nodes of `gpus_per_node` GPUs.
     """
     for method in methods:
         if method not in STUDY_METHODS:
             raise ValueError(f"methods: {method!r} is not one of {', '.join(STUDY_METHODS)}")
+    if cost is None:
+        from occult.sim.cost_model_json import builtin_cost_model
+
+        cost = builtin_cost_model()[0]
     all_splits = {name: as_splits(name, value) for name, value in traces.items()}
     jobs = [(name, i, d) for name, sp in all_splits.items()
             for d in default_devices(sp.num_experts, devices) for i in range(sp.calib_LNK.shape[0])]
     rows: list[dict[str, Any]] = []
+    tradeoff: list[dict[str, Any]] = []
+    replicas: list[dict[str, Any]] = []
     with progress(len(jobs) * len(methods), desc="placement study", unit="placement") as bar:
         for name, i, num_devices in jobs:
             sp = all_splits[name]
@@ -205,7 +278,9 @@ def study_rows(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarray
             top_k = calib_NK.shape[1]
             lower, upper = ct_bounds(sp.num_experts, top_k, num_devices)
             gpus = gpus_per_node_for(num_devices, search.gpus_per_node)
-            placer = _LayerPlacer(calib_NK, sp.num_experts, num_devices, search, seed + i)
+            layer_cost = layer_cost_at(cost, trace_shape(name, sp.num_experts, top_k, sp.shape), search.tokens_per_gpu,
+                                       gpus)
+            placer = _LayerPlacer(calib_NK, sp.num_experts, num_devices, search, seed + i, layer_cost)
             for method in methods:
                 row: dict[str, Any] = {
                     "trace": name, "layer": str(sp.layers[i]), "D": num_devices, "method": method,
@@ -217,13 +292,22 @@ def study_rows(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarray
                 except ImportError as err:
                     row.update(status=f"unavailable: {err}")
                 else:
-                    row.update(_measure(heldout_NK, placed, num_devices, gpus),
+                    row.update(_measure(heldout_NK, placed, num_devices, gpus, placer),
                                expected_ct_calibration=expected_ct(calib_NK, placed),
                                seconds=seconds, status="ok")
+                    if method == "latency":
+                        row.update(search_seconds=placer.latency.seconds, start_method=placer.latency.start_method)
                 rows.append(row)
                 bar.update(1)
+            if placer.latency is not None:
+                tradeoff += tradeoff_rows(name, str(sp.layers[i]), num_devices, placer.latency)
+                if num_devices in search.replica_devices:
+                    replicas += replica_rows(name, str(sp.layers[i]), calib_NK, heldout_NK,
+                                             placer.latency.device_of_expert, num_devices, layer_cost,
+                                             search.replica_slots, search.replica_rounds)
     frame = pd.DataFrame(rows)
-    return pd.concat([frame, _mean_rows(frame)], ignore_index=True)
+    study = pd.concat([frame, _mean_rows(frame)], ignore_index=True)
+    return StudyTables(study, pd.DataFrame(tradeoff), pd.DataFrame(replicas))
 
 
 def _mean_rows(frame: pd.DataFrame) -> pd.DataFrame:
@@ -231,9 +315,11 @@ def _mean_rows(frame: pd.DataFrame) -> pd.DataFrame:
     ok = frame[frame["status"] == "ok"]
     if ok.empty:
         return ok
-    numeric = [c for c in ok.columns if c not in keys + ["layer", "status"]]
+    numeric = [c for c in ok.columns if c not in keys + ["layer", "status", "start_method"]]
     means = ok.groupby(keys, sort=False)[numeric].mean().reset_index()
-    means["seconds"] = ok.groupby(keys, sort=False)["seconds"].sum().to_numpy()
+    for column in ("seconds", "search_seconds"):
+        if column in ok.columns:
+            means[column] = ok.groupby(keys, sort=False)[column].sum(min_count=1).to_numpy()
     means["layer"] = "mean"
     means["status"] = "ok"
     return means
@@ -241,11 +327,24 @@ def _mean_rows(frame: pd.DataFrame) -> pd.DataFrame:
 
 def run_study(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarray]],
               devices: Sequence[int] | None, methods: Sequence[str], out_csv: str | Path, seed: int,
-              search: SearchConfig = SearchConfig()) -> pd.DataFrame:
-    """`study_rows` written to `out_csv` (+ a `.meta.json` provenance sidecar); returns the frame."""
-    frame = study_rows(traces, devices, methods, seed, search)
-    write_csv(out_csv, frame, meta=_meta("placement_study", traces, devices, methods, seed, search))
-    return frame
+              search: SearchConfig = SearchConfig(), cost: Any = None, cost_source: Any = None,
+              tradeoff_csv: str | Path | None = None, replicas_csv: str | Path | None = None,
+              summary_csv: str | Path | None = None) -> pd.DataFrame:
+    """`study_tables` written to `out_csv` and, where given, the trade-off path, the replica rows and
+    `latency_summary` to theirs (each with a `.meta.json` provenance sidecar naming the cost
+    model's source); returns the study frame."""
+    tables = study_tables(traces, devices, methods, seed, search, cost)
+    if cost_source is None and cost is None:
+        from occult.sim.cost_model_json import builtin_cost_model
+
+        cost_source = builtin_cost_model()[1]
+    meta = _meta("placement_study", traces, devices, methods, seed, search, cost_model=cost_source)
+    write_csv(out_csv, tables.study, meta=meta)
+    for path, frame in ((tradeoff_csv, tables.tradeoff), (replicas_csv, tables.replicas),
+                        (summary_csv, latency_summary(tables.study) if summary_csv else None)):
+        if path is not None:
+            write_csv(path, frame, meta=meta)
+    return tables.study
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,7 +439,7 @@ def _meta(stage: str, traces: Mapping[str, Any], devices: Sequence[int] | None, 
 # Inputs
 
 
-def load_profile_splits(profile_dir: str | Path, max_tokens: int | None = None) -> RoutingSplits:
+def load_profile_splits(profile_dir: str | Path, max_tokens: int | None = None, shape: Any = None) -> RoutingSplits:
     """Our model's routing from a profile directory: routing_{calibration,heldout}.npz, or where
     those are absent the samples a GPU run returns (routing_{calibration,heldout}_sample.npz,
     `occult.routing.profiling.sample_routing`)."""
@@ -366,7 +465,7 @@ def load_profile_splits(profile_dir: str | Path, max_tokens: int | None = None) 
         calib_LNK=calib.ids[:, cut].astype(np.int64), heldout_LNK=heldout.ids[:, cut].astype(np.int64),
         num_experts=num_experts, layers=tuple(int(layer) for layer in calib.layers),
         calib_sources=calib.sources[cut].astype(np.int64), heldout_sources=heldout.sources[cut].astype(np.int64),
-        source_names=calib.source_names,
+        source_names=calib.source_names, shape=shape,
     )
 
 
@@ -394,6 +493,25 @@ def plot_main(argv: Sequence[str]) -> None:
     plot_placement_study(pd.read_csv(args.plot), args.figure)
 
 
+def _profile_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The profile trace's layer shape from --model-shape, or --hidden/--ffn with its E and k (None: default)."""
+    from occult.harness.baselines import MoEShape, get_shape
+
+    if args.model_shape is not None:
+        if args.hidden is not None or args.ffn is not None:
+            parser.error("--model-shape or --hidden/--ffn, not both")
+        try:
+            return get_shape(args.model_shape)
+        except ValueError as err:
+            parser.error(f"--model-shape: {err}")
+    if (args.hidden is None) != (args.ffn is None):
+        parser.error("--hidden and --ffn go together")
+    if args.hidden is None:
+        return None
+    splits = load_profile_splits(args.profile_dir, 1)
+    return MoEShape(args.trace_name, splits.num_experts, splits.calib_LNK.shape[2], args.hidden, args.ffn)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     if argv is None:
         argv = sys.argv[1:]
@@ -418,18 +536,50 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--eps", type=float, default=SearchConfig.eps)
     parser.add_argument("--gpus-per-node", type=int, default=SearchConfig.gpus_per_node)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost-model", type=Path, metavar="JSON",
+                        help="latency: a simulate stage's cost_model.json (default: the model shipped with the package)")
+    parser.add_argument("--tokens-per-gpu", type=int, default=SearchConfig.tokens_per_gpu,
+                        help="latency: the batch per GPU the predicted times are for")
+    parser.add_argument("--model-shape", help="layer shape of the profile's trace: olmoe, qwen or deepseek ...")
+    parser.add_argument("--hidden", type=int, help="... or its hidden size and expert width (with --ffn)")
+    parser.add_argument("--ffn", type=int)
+    parser.add_argument("--sweep-routers", nargs="*", default=[], metavar="SHAPE",
+                        help="also the sweep's synthetic router of these shapes (traces sweep_<shape>)")
+    parser.add_argument("--replica-slots", type=int, nargs="*", default=list(SearchConfig.replica_slots))
+    parser.add_argument("--replica-devices", type=int, nargs="*", default=list(SearchConfig.replica_devices))
+    parser.add_argument("--tradeoff-out", type=Path, help="latency: the search's path and the methods, CSV")
+    parser.add_argument("--replicas-out", type=Path, help="latency with spare slots per device, CSV")
+    parser.add_argument("--summary-out", type=Path, help="latency against the best other method, CSV")
+    parser.add_argument("--tradeoff-figure", type=Path, help="figure of the trade-off CSV")
     parser.add_argument("--log-json", metavar="PATH",
                         help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
 
     traces: dict[str, RoutingSplits] = {}
     if args.profile_dir is not None:
-        traces[args.trace_name] = load_profile_splits(args.profile_dir, args.max_profile_tokens)
+        traces[args.trace_name] = load_profile_splits(args.profile_dir, args.max_profile_tokens,
+                                                      _profile_shape(parser, args))
     traces.update(synthetic_splits(args.synthetic, args.synthetic_tokens, args.synthetic_layers, args.seed))
+    if args.sweep_routers:
+        from occult.stages.placement_latency import sweep_router_splits
+
+        traces.update(sweep_router_splits(args.sweep_routers, args.synthetic_tokens, args.seed))
     if not traces:
         parser.error("nothing to study: give --profile-dir or at least one --synthetic preset")
-    search = SearchConfig(args.swap_rounds, args.kicks, args.eps, args.gpus_per_node)
-    run_study(traces, args.devices, args.methods, args.out, args.seed, search)
+    search = SearchConfig(args.swap_rounds, args.kicks, args.eps, args.gpus_per_node, args.tokens_per_gpu,
+                          replica_slots=tuple(args.replica_slots), replica_devices=tuple(args.replica_devices))
+    cost = source = None
+    if args.cost_model is not None:
+        from occult.sim.cost_model_json import read_cost_model
+
+        cost, source = read_cost_model(args.cost_model)
+        source = {"file": str(args.cost_model), **source}
+    run_study(traces, args.devices, args.methods, args.out, args.seed, search, cost, source,
+              args.tradeoff_out, args.replicas_out, args.summary_out)
+    if args.tradeoff_figure is not None and args.tradeoff_out is not None:
+        from occult.report.study import plot_latency_tradeoff
+
+        plot_latency_tradeoff(pd.read_csv(args.tradeoff_out), args.tradeoff_figure)
     sensitivity_out = args.sensitivity_out or args.out.with_name(f"{args.out.stem}_sensitivity.csv")
     if args.sensitivity_methods:
         run_sensitivity(traces, args.sensitivity_devices, args.sensitivity_methods, args.fractions,
@@ -437,4 +587,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main("placement_study", main, output_flags=("--out", "--sensitivity-out", "--figure")))
+    sys.exit(run_main("placement_study", main, output_flags=("--out", "--sensitivity-out", "--figure", "--tradeoff-out",
+                                                              "--replicas-out", "--summary-out", "--tradeoff-figure")))

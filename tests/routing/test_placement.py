@@ -260,6 +260,16 @@ def test_place_dispatch():
     assert np.array_equal(place("greedy", coact_EE, ids_NK, 4, 5, 0), greedy_occult(coact_EE, 4))
     swap = place("swap", coact_EE, ids_NK, 4, 5, 0)
     assert expected_ct(ids_NK, swap) <= expected_ct(ids_NK, greedy_occult(coact_EE, 4))
+    from occult.harness.baselines import MoEShape
+    from occult.routing.latency import LayerCost, default_starts
+    from occult.sim.cost_model_json import builtin_cost_model
+
+    layer = LayerCost(builtin_cost_model()[0], MoEShape("m", 16, 4, 1024, 512))
+    fastest = place("latency", coact_EE, ids_NK, 4, 5, 0, layer)
+    others = default_starts(ids_NK, 16, 4, swap_rounds=5, seed=0)
+    assert layer.predict(ids_NK, fastest, 4).key() <= min(layer.predict(ids_NK, p, 4).key() for p in others.values())
+    with pytest.raises(ValueError, match="LayerCost"):
+        place("latency", coact_EE, ids_NK, 4, 5, 0)
     with pytest.raises(ValueError, match="annealing"):
         place("annealing", coact_EE, ids_NK, 4, 5, 0)
     with pytest.raises(ValueError, match="evenly"):
@@ -303,8 +313,9 @@ def cfg():
 def test_run_placement_writes_placements_and_table(tmp_path, cfg):
     write_profile(tmp_path / "profile")
     run_placement(cfg, tmp_path / "profile", tmp_path / "placement", tmp_path / "placement" / "expected_ct.csv")
+    assert cfg.placement.methods == ("contiguous", "greedy", "swap", "latency")
     for d in (2, 4):
-        for method in ("contiguous", "greedy", "swap"):
+        for method in cfg.placement.methods:
             path = tmp_path / "placement" / f"D{d}_{method}.json"
             doc = json.loads(path.read_text())
             assert doc["provenance"]["config_hash"] == cfg.hash() and doc["provenance"]["seed"] == cfg.seed
@@ -315,7 +326,7 @@ def test_run_placement_writes_placements_and_table(tmp_path, cfg):
     assert list(table.columns) == ["D", "method", "layer", "expected_ct_heldout", "expected_ct_calibration",
                                    "lower_bound", "upper_bound", "max_device_load_over_mean",
                                    "intra_device_pair_fraction"]
-    assert len(table) == 2 * 3 * (3 + 1)
+    assert len(table) == 2 * 4 * (3 + 1)
     assert (table["lower_bound"] <= table["expected_ct_heldout"]).all()
     assert (table["expected_ct_heldout"] <= table["upper_bound"]).all()
     means = table[table["layer"] == "mean"].set_index(["D", "method"])

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from occult.routing.placement_methods import synthetic_preset
+from occult.stages.placement_latency import latency_summary
 from occult.stages.placement_study import (
     STUDY_METHODS,
     RoutingSplits,
@@ -18,12 +19,13 @@ from occult.stages.placement_study import (
     main,
     run_study,
     sensitivity,
+    study_tables,
 )
 
 FAST = SearchConfig(swap_rounds=3, kicks=1, eps=0.1, gpus_per_node=2)
 STUDY_COLUMNS = {"trace", "layer", "D", "method", "expected_ct_heldout", "lower_bound", "upper_bound",
                  "intra_device_pair_fraction", "max_device_load_over_mean", "seconds", "status",
-                 "inter_node_ct_heldout", "expected_ct_calibration"}
+                 "inter_node_ct_heldout", "expected_ct_calibration", "predicted_ms_heldout", "predicted_ms_calibration"}
 
 
 def test_default_devices_divide_experts():
@@ -54,6 +56,30 @@ def test_run_study_writes_expected_columns_and_provenance(tmp_path):
     assert meta["stage"] == "placement_study" and meta["seed"] == 0 and meta["config_hash"]
     again = run_study(traces, [2, 4, 6], list(STUDY_METHODS), tmp_path / "again.csv", seed=0, search=FAST)
     pd.testing.assert_series_equal(again["expected_ct_heldout"], frame["expected_ct_heldout"])   # seeded
+
+
+def test_latency_tables_show_the_tradeoff_and_never_lose(tmp_path):
+    """`latency`: its search path and the marked methods per (trace, layer, D), replicas at R = 0, 1, 2,
+    and a predicted time on the calibration split no worse than any other method's."""
+    traces = {"a": synthetic_preset("olmoe", 500, 2, seed=3), "sweep": synthetic_preset("deepseek_moe", 500, 1, seed=4)}
+    tables = study_tables(traces, [2, 4, 8], ["contiguous", "greedy", "swap", "load_aware", "eplb", "latency"], 0,
+                          FAST)
+    per_layer = tables.study[tables.study["layer"] != "mean"]
+    assert per_layer["predicted_ms_calibration"].notna().all() and per_layer["predicted_ms_heldout"].notna().all()
+    best_other = (per_layer[per_layer["method"] != "latency"]
+                  .groupby(["trace", "layer", "D"])["predicted_ms_calibration"].min())
+    mine = per_layer[per_layer["method"] == "latency"].set_index(["trace", "layer", "D"])["predicted_ms_calibration"]
+    assert (mine <= best_other.loc[mine.index] * (1 + 1e-12)).all()
+    summary = latency_summary(tables.study)
+    assert len(summary) == 3 * 3 and (summary["gain_calibration"] >= 1 - 1e-12).all()
+    kinds = tables.tradeoff.groupby(["trace", "layer", "D"])["kind"].agg(set)
+    assert len(kinds) == 9 and all(k == {"path", "method"} for k in kinds)
+    marked = tables.tradeoff[tables.tradeoff["kind"] == "method"]
+    assert {"greedy", "swap", "load_aware", "eplb", "latency"} <= set(marked["method"])
+    slots = tables.replicas.groupby(["trace", "layer", "D"])["slots_per_device"].agg(lambda r: tuple(sorted(r)))
+    assert len(slots) == 9 and set(slots) == {(0, 1, 2)}
+    at_one = study_tables({"a": traces["a"]}, [1], ["contiguous", "greedy", "latency"], 0, FAST).study
+    assert at_one["predicted_ms_heldout"].nunique() == 1          # D = 1: every placement is the same
 
 
 def test_run_study_rejects_unknown_method(tmp_path):

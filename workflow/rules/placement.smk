@@ -1,8 +1,18 @@
+# The latency placement prices layers with the simulate stage's calibrated cost model; without a
+# simulate section, with the model shipped with the package.
+COST_MODEL = f"{RESULTS}/simulate/cost_model.json" if CFG.simulate is not None else None
+
+
+def cost_model_flag(wildcards, input) -> str:
+    return f"--cost-model {input.cost_model}" if COST_MODEL else ""
+
+
 rule place_experts:
     input:
         profile=rules.profile_coactivation.output.profile,
         calibration=rules.profile_coactivation.output.calibration,
         heldout=rules.profile_coactivation.output.heldout,
+        cost_model=COST_MODEL or [],
     output:
         placements=PLACEMENT_FILES,
         table=report(f"{RESULTS}/placement/expected_ct.csv", category="Placement", caption="../report/placement.rst"),
@@ -11,6 +21,7 @@ rule place_experts:
         settings=settings("placement", "seed"),
         profile=profile_dir,
         outdir=output_dir,
+        cost_model=cost_model_flag,
     log:
         text=f"logs/place_experts/{RUN}.log",
         json=f"logs/place_experts/{RUN}.jsonl",
@@ -24,16 +35,29 @@ rule place_experts:
         runtime=30,
     shell:
         "occult place --config {params.config} --profile {params.profile} --out {params.outdir}"
-        " --table {output.table} --log-json {log.json} 2>&1 | tee {log.text}"
+        " --table {output.table} {params.cost_model} --log-json {log.json} 2>&1 | tee {log.text}"
 
 
 rule study_placement:
     input:
         calibration=rules.profile_coactivation.output.calibration,
         heldout=rules.profile_coactivation.output.heldout,
+        cost_model=COST_MODEL or [],
     output:
         study=report(f"{RESULTS}/placement/study.csv", category="Placement", caption="../report/placement_study.rst"),
         sensitivity=f"{RESULTS}/placement/study_sensitivity.csv",
+        tradeoff=report(
+            f"{RESULTS}/placement/latency_tradeoff.csv", category="Placement", caption="../report/placement_latency.rst"
+        ),
+        replicas=report(
+            f"{RESULTS}/placement/latency_replicas.csv", category="Placement", caption="../report/placement_latency.rst"
+        ),
+        summary=report(
+            f"{RESULTS}/placement/latency_summary.csv", category="Placement", caption="../report/placement_latency.rst"
+        ),
+        figure=report(
+            f"{FIGURES}/placement_latency.png", category="Placement", caption="../report/placement_latency.rst"
+        ),
     params:
         config=RESOLVED_CONFIG,
         settings=settings("placement", "seed"),
@@ -41,6 +65,8 @@ rule study_placement:
         synthetic=" ".join(CFG.placement.study_synthetic),
         seed=CFG.seed,
         rounds=CFG.placement.swap_rounds,
+        shape=f"--hidden {CFG.model.hidden_size} --ffn {CFG.model.expert_ffn}",
+        cost_model=cost_model_flag,
     log:
         text=f"logs/study_placement/{RUN}.log",
         json=f"logs/study_placement/{RUN}.jsonl",
@@ -55,7 +81,9 @@ rule study_placement:
     shell:
         "python -m occult.stages.placement_study --profile-dir {params.profile} --out {output.study}"
         " --sensitivity-out {output.sensitivity} --synthetic {params.synthetic} --seed {params.seed}"
-        " --swap-rounds {params.rounds} --log-json {log.json} 2>&1 | tee {log.text}"
+        " --swap-rounds {params.rounds} {params.shape} {params.cost_model} --tradeoff-out {output.tradeoff}"
+        " --replicas-out {output.replicas} --summary-out {output.summary} --tradeoff-figure {output.figure}"
+        " --log-json {log.json} 2>&1 | tee {log.text}"
 
 
 # The figure of a committed placement study of a GPU run's routing sample (CPU only). The study
