@@ -2,7 +2,8 @@
 
 `plan` builds the dispatch (BRIM_0, send order, split sizes) and the expert-side grouping
 (BRIM_1); `layer.ep_moe` is the differentiable EP MoE layer over a process group; `dist.run_ranks`
-runs a function on CPU gloo ranks; `hf.use_ep` puts a transformers MoE model's experts on EP.
+runs a function on CPU gloo ranks; `hf.use_ep` puts a transformers MoE model's experts on EP;
+`experts` runs a single-device model's experts on the fused kernels (`model.experts_kernel: triton`).
 """
 
 from occult.harness.ranks import RankFailure, run_ranks

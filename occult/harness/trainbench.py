@@ -26,6 +26,7 @@ from typing import Callable
 import pandas as pd
 import torch
 
+import occult.ep.experts  # noqa: F401  (registers model.experts_kernel "triton")
 from occult.config import load_config
 from occult.logs import progress, run_main
 from occult.models.moe import EXPERTS_KERNELS, use_experts_kernel

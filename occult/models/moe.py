@@ -22,17 +22,17 @@ Expert compute: models built or loaded here run their fused experts through
 `grouped_experts_forward` (registered with transformers as `EXPERTS_IMPLEMENTATION`): one sort by
 expert and two grouped GEMMs per layer (no Python loop over experts), in the autocast dtype when
 autocast is on (bf16 on GPU), combined per token in fp32. Without a grouped GEMM in torch it runs
-transformers' own per-expert loop. `use_experts_kernel(model, "triton")` (config
-`model.experts_kernel`) runs them through the EP runtime's fused Triton kernels on one device instead
-(`fused_experts_forward`): the gather inside the gate/up GEMM, the gate-weighted fp32 reduction
-inside the down GEMM, no sort, unsort or fp32 copies of the (token, expert) rows.
+transformers' own per-expert loop. `use_experts_kernel(model, kernel)` (config
+`model.experts_kernel`) picks the implementation from `EXPERTS_KERNELS`, where "grouped" is this
+one; other implementations register themselves there on import (`register_experts_kernel`):
+`occult.ep.experts` adds "triton", the EP runtime's fused Triton kernels on one device. Model code
+here never imports the runtime.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -47,8 +47,6 @@ ROUTING_HOOK_ATTR = "_occult_routing"   # (fn, hook handle) stored on the router
 MOE_BLOCK_NAMES = ("mlp", "block_sparse_moe")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model")
 EXPERTS_IMPLEMENTATION = "occult_grouped"
-FUSED_IMPLEMENTATION = "occult_fused"
-EXPERTS_KERNELS = ("grouped", "triton")     # model.experts_kernel -> the implementation below
 
 
 class CheckpointError(ValueError):
@@ -161,56 +159,49 @@ def _looped_experts_forward(experts: nn.Module, hidden_states_TD: Tensor, top_k_
     return out_TD.to(hidden_states_TD.dtype)
 
 
-_ONE_DEVICE: dict[int, Tensor] = {}      # E -> the all-zeros placement of E experts (one per size)
+# (experts module, hidden_states_TD, top_k_index_TK, top_k_weights_TK) -> y_TD
+ExpertsForward = Callable[[nn.Module, Tensor, Tensor, Tensor], Tensor]
 
 
-def fused_experts_forward(experts: nn.Module, hidden_states_TD: Tensor, top_k_index_TK: Tensor,
-                          top_k_weights_TK: Tensor) -> Tensor:
-    """The same maths through `occult.ep.ep_moe` on one device with the Triton kernels (dedup mode:
-    one row per token, its k experts reduced in fp32 inside the down-projection kernel).
+@dataclass(frozen=True)
+class ExpertsKernel:
+    """One choice of `model.experts_kernel`: the name transformers knows the forward by, and the forward."""
 
-    GEMMs run in the autocast dtype when autocast is on (bf16 on GPU; the fp32 master weights are
-    cast, and their gradients flow back through the cast), else in the weights' dtype; the output
-    is cast back to the input's dtype. On a CPU only under TRITON_INTERPRET=1 (the tests).
-    """
-    from occult.ep.layer import ep_moe
+    implementation: str
+    forward: ExpertsForward
 
-    device_type = hidden_states_TD.device.type
-    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("model.experts_kernel: 'triton' needs a CUDA device (or TRITON_INTERPRET=1 on a CPU); "
-                           "use 'grouped' here")
-    dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-             else experts.gate_up_proj.dtype)
-    num_experts = experts.gate_up_proj.shape[0]
-    placement_E = _ONE_DEVICE.get(num_experts)
-    if placement_E is None:
-        placement_E = _ONE_DEVICE[num_experts] = torch.zeros(num_experts, dtype=torch.long)
-    with torch.autocast(device_type, enabled=False):
-        y_TD = ep_moe(hidden_states_TD.to(dtype), top_k_index_TK, top_k_weights_TK.float(), placement_E,
-                      experts.gate_up_proj.to(dtype), experts.down_proj.to(dtype), group=None, mode="dedup",
-                      backend="triton")
-    return y_TD.to(hidden_states_TD.dtype)
+
+# model.experts_kernel -> its implementation; "triton" is added by importing occult.ep.experts
+EXPERTS_KERNELS: dict[str, ExpertsKernel] = {
+    "grouped": ExpertsKernel(EXPERTS_IMPLEMENTATION, grouped_experts_forward),
+}
+
+
+def register_experts_kernel(kernel: str, implementation: str, forward: ExpertsForward) -> None:
+    """Make `kernel` a choice of `use_experts_kernel` (and of `model.experts_kernel`), run by
+    `forward` under the transformers experts implementation named `implementation`."""
+    EXPERTS_KERNELS[kernel] = ExpertsKernel(implementation, forward)
 
 
 def register_experts_implementation() -> None:
-    """Make `EXPERTS_IMPLEMENTATION` and `FUSED_IMPLEMENTATION` known to transformers (idempotent)."""
+    """Make every registered kernel's implementation known to transformers (idempotent)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    for name, function in ((EXPERTS_IMPLEMENTATION, grouped_experts_forward), (FUSED_IMPLEMENTATION, fused_experts_forward)):
-        if name not in ALL_EXPERTS_FUNCTIONS:
-            ALL_EXPERTS_FUNCTIONS.register(name, function)
+    for kernel in EXPERTS_KERNELS.values():
+        if kernel.implementation not in ALL_EXPERTS_FUNCTIONS:
+            ALL_EXPERTS_FUNCTIONS.register(kernel.implementation, kernel.forward)
 
 
 def use_experts_kernel(model: nn.Module, kernel: str = "grouped") -> None:
-    """Run an OLMoE or Mixtral model's experts (same layout, SiLU-gated) through
-    `grouped_experts_forward` ("grouped") or `fused_experts_forward` ("triton"); other model
-    families keep theirs."""
+    """Run an OLMoE or Mixtral model's experts (same layout, SiLU-gated) through the forward that
+    `EXPERTS_KERNELS` registers for `kernel`; other model families keep theirs."""
     if kernel not in EXPERTS_KERNELS:
-        raise ValueError(f"model.experts_kernel: {kernel!r} is not one of {EXPERTS_KERNELS}")
+        raise ValueError(f"model.experts_kernel: {kernel!r} is not one of {tuple(EXPERTS_KERNELS)} "
+                         "(\"triton\" is registered by importing occult.ep.experts)")
     if getattr(model.config, "model_type", None) not in ("olmoe", "mixtral"):
         return
     register_experts_implementation()
-    model.set_experts_implementation(EXPERTS_IMPLEMENTATION if kernel == "grouped" else FUSED_IMPLEMENTATION)
+    model.set_experts_implementation(EXPERTS_KERNELS[kernel].implementation)
 
 
 def use_grouped_experts(model: nn.Module) -> None:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+import occult.ep.experts  # noqa: F401  (registers model.experts_kernel "triton")
 from occult.config import Config
 from occult.logs import progress
 from occult.models.moe import RoutingFn, capture_routing, load_checkpoint, moe_layers, set_routing

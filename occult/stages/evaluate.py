@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import occult.ep.experts  # noqa: F401  (registers model.experts_kernel "triton")
 from occult.config import Config, parse_variant
 from occult.stages.eval_tasks import NOT_AVAILABLE, UNAVAILABLE_TASKS
 from occult.logs import ENV_LOG_JSON, Progress, log_event, progress, run_main

@@ -22,6 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+import occult.ep.experts  # noqa: F401  (registers model.experts_kernel "triton")
 from occult.config import Config, Variant, parse_variant
 from occult.logs import ENV_LOG_JSON, progress, run_main
 from occult.provenance import atomic_path, provenance, seed_everything, write_csv

@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import occult.ep.experts  # noqa: F401  (registers model.experts_kernel "triton")
 from occult.config import Config, PretrainConfig
 from occult.logs import StagePaused, progress
 from occult.models.moe import build_tiny_olmoe, count_parameters, use_experts_kernel

@@ -296,3 +296,37 @@ def test_training_gradients_are_bitwise_reproducible_with_two_threads():
         torch.set_num_threads(threads)
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+def test_model_code_runs_without_the_ep_runtime_and_the_runtime_registers_its_kernel():
+    """occult.models.moe imports nothing of the EP runtime or its kernels; "triton" becomes a choice
+    of model.experts_kernel once occult.ep.experts is imported, and until then asking for it names
+    the module to import."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import occult.models.moe as moe
+assert not [n for n in sys.modules if n.startswith(("occult.ep", "occult.kernels"))], sorted(sys.modules)
+assert list(moe.EXPERTS_KERNELS) == ["grouped"]
+from occult.config import ModelConfig
+cfg = ModelConfig(source="scratch", checkpoint=None, hidden_size=16, num_layers=1, num_heads=2, num_experts=4,
+                  top_k=2, expert_ffn=8, max_seq_len=16)
+model = moe.build_tiny_olmoe(cfg, 32, pad_token_id=0, bos_token_id=0, eos_token_id=0, seed=0)
+try:
+    moe.use_experts_kernel(model, "triton")
+except ValueError as err:
+    assert "occult.ep.experts" in str(err), err
+else:
+    raise AssertionError("triton was selectable before occult.ep.experts was imported")
+import occult.ep.experts
+assert list(moe.EXPERTS_KERNELS) == ["grouped", "triton"]
+moe.use_experts_kernel(model, "triton")
+assert model.config._experts_implementation == occult.ep.experts.FUSED_IMPLEMENTATION
+print("registered")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "registered" in done.stdout

@@ -13,12 +13,11 @@ import torch
 import yaml
 
 from occult.config import load_config, merge
+from occult.ep.experts import FUSED_IMPLEMENTATION, fused_experts_forward
 from occult.models.moe import (
     EXPERTS_IMPLEMENTATION,
-    FUSED_IMPLEMENTATION,
     _looped_experts_forward,
     build_tiny_olmoe,
-    fused_experts_forward,
     grouped_experts_forward,
     load_checkpoint,
     use_experts_kernel,
