@@ -13,6 +13,7 @@ without Snakemake:
     occult bench     --config C --profile P --placements DIR --out CSV
     occult report    --config C --results R --figures F
     occult simulate  --config C --out DIR --figures F
+    occult place-trace --trace T.npz --devices 2 4 8 --shape olmoe --out DIR   (no --config: a user's trace)
 
 Every subcommand also takes `--log-json PATH` (default: `$OCCULT_LOG_JSON`): machine-readable
 JSON-lines logs with a `start`, `progress` records and one `done` or `failed` record
@@ -118,7 +119,13 @@ def _simulate(args, cfg) -> None:
 
     if cfg.simulate is None:
         raise ConfigError("simulate: the configuration has no simulate section")
-    run_simulate(cfg.simulate, cfg.seed, Path(args.out), Path(args.figures), config_hash=cfg.hash())
+    run_simulate(simulator_settings(cfg.simulate), cfg.seed, Path(args.out), Path(args.figures), config_hash=cfg.hash())
+
+
+def _place_trace(args, cfg) -> None:
+    from occult.stages.place_trace import run
+
+    run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     stage("simulate", _simulate, "scale simulator: validation against GPU sweeps, predictions to D=64",
           ("--out", "output directory (validation.csv, predictions.csv, predictions_D4_D8.csv)"),
           ("--figures", "figures directory"), outputs=("--out", "--figures"))
+    from occult.stages.place_trace import add_arguments
+
+    p = sub.add_parser("place-trace", help="placements of your own routing trace (docs/placement.md)",
+                       description="placements of your own routing trace (an npz of calib and heldout top-k ids)")
+    add_arguments(p)
+    p.add_argument("--log-json", default=None, metavar="PATH",
+                   help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}; none when unset)")
+    p.set_defaults(func=_place_trace, outputs=("--out",), config=None)
     return parser
 
 
@@ -184,11 +199,15 @@ def _outputs(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with StageRun(args.stage, args.log_json) as run:
-        try:
-            cfg = load_config(args.config)
-        except ConfigError as err:
-            return run.failed(err, exit_code=2, brief=True, label="config error")
-        if args.threads:
+        cfg = None
+        if args.config is not None:          # every stage but place-trace
+            try:
+                cfg = load_config(args.config)
+            except ConfigError as err:
+                return run.failed(err, exit_code=2, brief=True, label="config error")
+            log_event("config", f"stage {args.stage}, run {cfg.run}, config {cfg.hash()}", logger=log,
+                      run=cfg.run, config_hash=cfg.hash(), config=args.config)
+        if getattr(args, "threads", None):
             import torch
 
             torch.set_num_threads(args.threads)
