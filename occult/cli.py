@@ -119,7 +119,7 @@ def _simulate(args, cfg) -> None:
 
     if cfg.simulate is None:
         raise ConfigError("simulate: the configuration has no simulate section")
-    run_simulate(simulator_settings(cfg.simulate), cfg.seed, Path(args.out), Path(args.figures), config_hash=cfg.hash())
+    run_simulate(cfg.simulate, cfg.seed, Path(args.out), Path(args.figures), config_hash=cfg.hash())
 
 
 def _place_trace(args, cfg) -> None:
