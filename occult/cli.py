@@ -211,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        log_event("config", f"stage {args.stage}, run {cfg.run}, config {cfg.hash()}", logger=log,
-                  run=cfg.run, config_hash=cfg.hash(), config=args.config)
         try:
             args.func(args, cfg)
         except INPUT_ERRORS as err:
