@@ -22,6 +22,9 @@ OCCULT_OPTIONS = {
     "trivial": "contiguous placement instead of greedy_occult",
     "balanced": f"greedy_occult repaired and swap-searched so that no device holds more than {1 + BALANCE_EPS:g}x "
                 "the mean token-expert pairs of the calibration batch (placement_methods.load_aware_swap)",
+    "latency": "the placement of lowest predicted layer time (occult.routing.latency: the shipped cost model at "
+               "2^14 tokens per GPU), from the fastest of greedy_occult, swap, load-aware and EPLB-style on the "
+               "calibration batch",
     "compute": "expert compute alone: each GPU's received pairs, dispatched once outside the timing "
                "(with -graph: replayed from a CUDA graph, so no host time; the simulator's kernel curve)",
 }
@@ -83,6 +86,17 @@ class MethodSpec:
         return "balanced" in self.options
 
     @property
+    def latency(self) -> bool:
+        return "latency" in self.options
+
+    @property
+    def placement(self) -> str:
+        """The placement the layer runs on: contiguous, greedy (greedy_occult), balanced or latency."""
+        if self.contiguous:
+            return "contiguous"
+        return "balanced" if self.balanced else "latency" if self.latency else "greedy"
+
+    @property
     def mode(self) -> str:
         """Dispatch wire format: `dedup` (one row per token and device), `per_expert` or `naive`."""
         if not self.is_occult:
@@ -123,8 +137,12 @@ def parse_method(name: str) -> MethodSpec:
     chosen = frozenset(options)
     if "pe" in chosen and chosen & {"static", "graph"}:
         raise MethodNameError(f"method {name!r}: per-expert rows have no static plan (-pe with -static/-graph)")
-    if "balanced" in chosen and ("trivial" in chosen or max_devices is not None):
-        raise MethodNameError(f"method {name!r}: -balanced is a placement of exact routing (not -trivial, not -nd<N>)")
+    for placement in ("balanced", "latency"):
+        if placement in chosen and ("trivial" in chosen or max_devices is not None):
+            raise MethodNameError(f"method {name!r}: -{placement} is a placement of exact routing "
+                                  "(not -trivial, not -nd<N>)")
+    if {"balanced", "latency"} <= chosen:
+        raise MethodNameError(f"method {name!r}: -balanced and -latency are two placements; choose one")
     if "trivial" in chosen and max_devices is not None:
         raise MethodNameError(f"method {name!r}: -nd<N> prunes to devices of the collaboration-aware placement, "
                               "not -trivial's contiguous one")

@@ -5,8 +5,18 @@ import pytest
 from occult.method_names import BASELINES, MethodNameError, is_occult, parse_method
 
 
+@pytest.mark.parametrize("name, placement", [
+    ("occult", "greedy"), ("occult-nd2", "greedy"), ("occult-trivial", "contiguous"), ("naive", "contiguous"),
+    ("occult-balanced", "balanced"), ("occult-latency", "latency"), ("occult-graph-latency", "latency"),
+])
+def test_names_say_their_placement(name, placement):
+    spec = parse_method(name)
+    assert spec.placement == placement and spec.latency == (placement == "latency")
+
+
 @pytest.mark.parametrize("name, family, mode, nd, static, contiguous, balanced", [
     ("occult", "occult", "dedup", None, False, False, False),
+    ("occult-latency", "occult", "dedup", None, False, False, False),
     ("occult-nd2", "occult", "dedup", 2, False, False, False),
     ("occult-nd1-graph", "occult-graph", "dedup", 1, True, False, False),
     ("occult-graph-balanced", "occult-graph", "dedup", None, True, False, True),
@@ -37,6 +47,9 @@ def test_baselines_are_not_occult():
     ("occult-pe-graph", "no static plan"),
     ("occult-nd2-balanced", "exact routing"),
     ("occult-trivial-balanced", "exact routing"),
+    ("occult-nd1-latency", "-latency is a placement of exact routing"),
+    ("occult-latency-trivial", "-latency is a placement of exact routing"),
+    ("occult-balanced-latency", "two placements"),
     ("occult-nd2-trivial", "contiguous"),
     ("megablock", "expected occult"),
 ])

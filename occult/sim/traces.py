@@ -42,7 +42,7 @@ class ShapeTraces:
                                  torch.device("cpu"), torch.bfloat16, [None], None, with_grad_output=False)
             self.logits_NE = self.router.logits(inputs.x_TD)
             self.ids_NK = inputs.routes[None][0]
-        self._placements: dict[tuple[int, bool], torch.Tensor] = {}
+        self._placements: dict[tuple[int, bool, bool, bool], torch.Tensor] = {}
         self._routes: dict[tuple[int, int, bool], torch.Tensor] = {}
 
     def support(self, method: str, num_devices: int) -> str | None:
@@ -57,18 +57,21 @@ class ShapeTraces:
 
     def placement(self, method: str, num_devices: int) -> torch.Tensor:
         """Contiguous for naive, `-trivial` and uniform routing (where placement does not matter);
-        the sweep's load-aware placement for `-balanced`; else the sweep's `greedy_occult` placement."""
+        the sweep's load-aware placement for `-balanced`, its latency placement for `-latency`; else
+        the sweep's `greedy_occult` placement."""
         spec = method_spec(method)
         contiguous = spec.contiguous or self.routing == "uniform"
         balanced = spec.balanced and not contiguous
-        key = (num_devices, contiguous, balanced)
+        latency = spec.latency and not contiguous
+        key = (num_devices, contiguous, balanced, latency)
         if key not in self._placements:
             if contiguous:
                 self._placements[key] = torch.arange(self.shape.num_experts) // (self.shape.num_experts // num_devices)
             else:       # the sweep's own function: the same calibration batch, placement and seed
                 from occult.harness.sweep.inputs import occult_placement
 
-                self._placements[key] = occult_placement(self.shape, self.router, num_devices, self.seed, balanced)
+                self._placements[key] = occult_placement(self.shape, self.router, num_devices, self.seed, balanced,
+                                                         latency)
         return self._placements[key]
 
     def ids(self, method: str, num_devices: int) -> torch.Tensor:
@@ -109,7 +112,7 @@ class RecordedTraces(ShapeTraces):
     """One layer of a recorded routing trace (top-k expert ids without logits, e.g. a GPU run's
     `routing_*_sample.npz`) on a shape with the same E and k: the held-out split is routed, the
     calibration split places, the sweep's way (`greedy_occult` on its co-activation; `-balanced`
-    then the load-aware swap search). N_d pruning needs the router's logits, so those methods
+    then the load-aware swap search, `-latency` the latency placement). N_d pruning needs the router's logits, so those methods
     read unsupported rather than being approximated."""
 
     def __init__(self, shape: MoEShape, calib_NK: np.ndarray, heldout_NK: np.ndarray, seed: int) -> None:
@@ -123,7 +126,7 @@ class RecordedTraces(ShapeTraces):
         self.router, self.logits_NE = None, None
         self.calib_NK = torch.as_tensor(np.asarray(calib_NK, dtype=np.int64))
         self.ids_NK = torch.as_tensor(np.asarray(heldout_NK, dtype=np.int64))
-        self._placements: dict[tuple[int, bool, bool], torch.Tensor] = {}
+        self._placements: dict[tuple[int, bool, bool, bool], torch.Tensor] = {}
         self._routes: dict[tuple[int, int, bool], torch.Tensor] = {}
 
     def support(self, method: str, num_devices: int) -> str | None:
@@ -136,12 +139,13 @@ class RecordedTraces(ShapeTraces):
         from occult.harness.sweep.inputs import placement_from_calibration
 
         spec = method_spec(method)
-        key = (num_devices, spec.contiguous, spec.balanced and not spec.contiguous)
+        key = (num_devices, spec.contiguous, spec.balanced and not spec.contiguous,
+               spec.latency and not spec.contiguous)
         if key not in self._placements:
             experts = self.shape.num_experts
             self._placements[key] = (torch.arange(experts) // (experts // num_devices) if spec.contiguous else
                                      placement_from_calibration(self.calib_NK, self.shape, num_devices, self.seed,
-                                                                key[2]))
+                                                                key[2], key[3]))
         return self._placements[key]
 
 

@@ -38,7 +38,7 @@ def graph_slots(traces: ShapeTraces) -> int:
     return traces.traffic_at("occult-graph", 4, 256)[0].slots
 
 
-@pytest.mark.parametrize("method", ["occult", "occult-balanced"])
+@pytest.mark.parametrize("method", ["occult", "occult-balanced", "occult-latency"])
 def test_the_simulators_placement_is_the_sweeps_placement(method):
     from occult.harness.ranks import run_ranks
     from occult.harness.sweep.inputs import occult_placement
@@ -47,7 +47,8 @@ def test_the_simulators_placement_is_the_sweeps_placement(method):
     traces = ShapeTraces(shape, 2048, seed=3)
 
     def in_rank(rank, world):
-        return occult_placement(shape, traces.router, world, 3, balanced=method.endswith("balanced")).tolist()
+        return occult_placement(shape, traces.router, world, 3, balanced=method.endswith("balanced"),
+                                latency=method.endswith("latency")).tolist()
 
     from_sweep = run_ranks(in_rank, 2, timeout_s=60)[0]
     assert traces.placement(method, 2).tolist() == from_sweep

@@ -174,33 +174,47 @@ def make_inputs(shape: MoEShape, router: Any, tokens: int, seed: int, device: to
     return InputSet(x, dy, out)
 
 
-def occult_placement(shape: MoEShape, router: Any, world: int, seed: int, balanced: bool = False) -> torch.Tensor:
+def occult_placement(shape: MoEShape, router: Any, world: int, seed: int, balanced: bool = False,
+                     latency: bool = False) -> torch.Tensor:
     """greedy_occult on the co-activation of a calibration batch (rank 0 computes, all receive).
     `balanced`: then repaired and swap-searched on the same batch so that the busiest device
     carries at most (1 + BALANCE_EPS) x the mean pairs (greedy_occult ignores load: on a skewed
-    router it can put most pairs on one device)."""
+    router it can put most pairs on one device). `latency`: the latency placement on that batch
+    (`placement_from_calibration`)."""
     _, rank = world_and_rank(None)
     holder: list[Any] = [None]
     if rank == 0:
         gen = torch.Generator().manual_seed(derive_seed(seed, "calibration", shape.name))
         ids = router.calibration_ids(CALIBRATION_TOKENS, shape.top_k, gen)
-        holder[0] = placement_from_calibration(ids, shape, world, seed, balanced).tolist()
+        holder[0] = placement_from_calibration(ids, shape, world, seed, balanced, latency).tolist()
     if world_and_rank(None)[0] > 1:
         dist.broadcast_object_list(holder, src=0)
     return torch.tensor(holder[0], dtype=torch.long)
 
 
 def placement_from_calibration(ids_NK: torch.Tensor, shape: MoEShape, world: int, seed: int,
-                               balanced: bool = False) -> torch.Tensor:
+                               balanced: bool = False, latency: bool = False) -> torch.Tensor:
     """`greedy_occult` on the co-activation of calibration routing `ids_NK`; `balanced`: then the
-    load-aware swap search to (1 + BALANCE_EPS) x the mean load (`occult_placement`; the simulator
-    places a recorded trace with it too)."""
+    load-aware swap search to (1 + BALANCE_EPS) x the mean load; `latency`: the placement of lowest
+    predicted layer time of `shape` (the shipped cost model, 2^14 tokens per GPU, forward) from the
+    fastest of greedy, swap, load-aware and EPLB-style (`occult_placement`; the simulator places a
+    recorded trace with it too)."""
     from occult.routing.placement import greedy_occult
 
     ids_NK = torch.as_tensor(ids_NK, dtype=torch.long)
     hits_NE = torch.zeros(ids_NK.shape[0], shape.num_experts).scatter_(1, ids_NK, 1.0)
     placement = greedy_occult((hits_NE.t() @ hits_NE).numpy(), world)
-    if balanced and world > 1:
+    if latency and world > 1:
+        from occult.routing.latency import LayerCost, default_starts, latency_search
+        from occult.sim.cost_model_json import builtin_cost_model
+
+        layer_seed = derive_seed(seed, "latency", shape.name)
+        starts = default_starts(ids_NK.numpy(), shape.num_experts, world, swap_rounds=4, seed=layer_seed,
+                                eps=BALANCE_EPS, kicks=2)
+        layer = LayerCost(builtin_cost_model()[0], shape)
+        placement = latency_search(ids_NK.numpy(), world, layer, starts, rounds=4, seed=layer_seed, kicks=2,
+                                   path_points=0).device_of_expert
+    elif balanced and world > 1:
         from occult.routing.placement_methods import load_aware_swap
 
         placement = load_aware_swap(ids_NK.numpy(), world, placement, BALANCE_EPS, rounds=4,

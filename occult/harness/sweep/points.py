@@ -20,7 +20,7 @@ from occult.harness.sweep.check import agree, error_text, reference_outputs, rel
 from occult.harness.sweep.inputs import (
     InputSet, SharedExpert, TraceShapeError, derive_seed, make_inputs, make_router, occult_placement, routing_key,
 )
-from occult.harness.sweep.occult_method import OccultEP, build_method, method_skip_reason, occult_options
+from occult.harness.sweep.occult_method import OccultEP, build_method, method_skip_reason
 from occult.harness.sweep.settings import REL_TOLERANCE, SweepSettings
 from occult.harness.sweep.timing import (
     phase_medians, profile_host, quantile, synchronize, time_steps, time_stream, train_step,
@@ -59,6 +59,11 @@ class ShapeRun:
     balanced: torch.Tensor | None
     check: InputSet
     references: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]]
+    latency: torch.Tensor | None = None
+
+    def placement_of(self, name: str) -> torch.Tensor | None:
+        """The placement method `name` runs on (`MethodSpec.placement`; -trivial's is made from it)."""
+        return {"balanced": self.balanced, "latency": self.latency}.get(parse_method(name).placement, self.placement)
 
     @property
     def train(self) -> bool:
@@ -82,13 +87,15 @@ def prepare_shape(settings: SweepSettings, shape: MoEShape, routing: str, device
                  if any(s.is_occult for s in specs) and shape.num_experts % world == 0 else None)
     balanced = (occult_placement(shape, router, world, settings.seed, balanced=True)
                 if placement is not None and any(s.balanced for s in specs) else None)
+    latency = (occult_placement(shape, router, world, settings.seed, latency=True)
+               if placement is not None and any(s.latency for s in specs) else None)
     routes = sorted({s.max_devices for s in specs if s.max_devices is not None and placement is not None
                      and s.max_devices * shape.num_experts // world >= shape.top_k})
     check = make_inputs(shape, router, settings.check_tokens, derive_seed(settings.seed, "check", shape.name, rank),
                         device, dtype, routes, placement, with_grad_output=train)
     references = {nd: reference_outputs(check, nd, weights, device, with_grad=train) for nd in (None, *routes)}
     return ShapeRun(settings, shape, routing, device, dtype, backend, weights, shared, router, placement,
-                    balanced, check, references)
+                    balanced, check, references, latency)
 
 
 def shape_fields(shape: MoEShape, settings: SweepSettings) -> dict[str, Any]:
@@ -138,8 +145,7 @@ def run_point(run: ShapeRun, name: str, size: int) -> dict[str, Any]:
     """One method at one size: built, checked and timed, then freed (its leftovers would count in
     the next method's peak memory). Returns the row's status, check and measured columns."""
     world, _ = world_and_rank(None)
-    options = occult_options(name)
-    method = build_method(name, run.balanced if "balanced" in options else run.placement, run.backend)
+    method = build_method(name, run.placement_of(name), run.backend)
     out: dict[str, Any] = {"baseline_config": method.config, "max_rel_err": None}
     status = method_skip_reason(name, method, run.shape, world, run.train)
     if status is None:

@@ -21,8 +21,8 @@ DEFAULT_METHODS = ("occult", "occult-nd2", "occult-nd1", "megablocks", "tutel", 
 # The fair comparison (`python -m occult.harness.sweep.parts`): every Occult variant, and every exact
 # setting of each baseline (docs/baselines.md), the processes split as `parts.process_key` says.
 FAIR_METHODS = (
-    "occult", "occult-balanced", "occult-graph", "occult-graph-balanced", "occult-nd2", "occult-nd1",
-    "naive", "hf", "fsdp",
+    "occult", "occult-balanced", "occult-latency", "occult-graph", "occult-graph-balanced", "occult-graph-latency",
+    "occult-nd2", "occult-nd1", "naive", "hf", "fsdp",
     "megablocks", "megablocks:grouped_gemm=cutlass", "megablocks:mlp_impl=sparse",
     "tutel", "tutel:adaptive_r=0", "tutel:megablocks_size=1",
     "deepspeed", "deepspeed:use_tutel=1",

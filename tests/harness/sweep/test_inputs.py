@@ -88,6 +88,26 @@ def test_balanced_placement_bounds_the_busiest_device_where_greedy_does_not(shap
     assert greedy_spread <= balanced_spread < contiguous_spread
 
 
+@pytest.mark.parametrize("shape_name, world", [("olmoe", 2), ("deepseek", 4)])
+def test_latency_placement_is_predicted_no_slower_than_greedy_or_balanced(shape_name, world):
+    """-latency: the sweep's placement of lowest predicted layer time on its calibration batch, balanced
+    (E/D experts per device) and, on that batch, predicted no slower than -balanced or greedy_occult."""
+    from occult.routing.latency import LayerCost
+    from occult.sim.cost_model_json import builtin_cost_model
+
+    shape = baselines.get_shape(shape_name)
+    router = inputs.SyntheticRouter.make(shape, 0)
+    latency = inputs.occult_placement(shape, router, world, 0, latency=True)
+    assert torch.bincount(latency, minlength=world).tolist() == [shape.num_experts // world] * world
+    gen = torch.Generator().manual_seed(inputs.derive_seed(0, "calibration", shape.name))
+    ids = router.calibration_ids(inputs.CALIBRATION_TOKENS, shape.top_k, gen).numpy()
+    layer = LayerCost(builtin_cost_model()[0], shape)
+    mine = layer.predict(ids, latency.numpy(), world).predicted_ms
+    for other in (inputs.occult_placement(shape, router, world, 0),
+                  inputs.occult_placement(shape, router, world, 0, balanced=True)):
+        assert mine <= layer.predict(ids, other.numpy(), world).predicted_ms * (1 + 1e-12)
+
+
 def test_trace_router_places_on_the_calibration_trace_beside_the_timed_one(tmp_path):
     """routing_heldout_sample.npz times, routing_calibration_sample.npz beside it places (the names
     profiling's sample files have); without a calibration file the timed trace places too."""

@@ -191,7 +191,8 @@ def test_each_method_is_measured_after_the_previous_ones_are_freed(tmp_path, mon
 def test_sweep_runs_at_the_4_and_8_gpu_degrees_on_cpu_ranks(tmp_path, world):
     """Issue 8's run needs D = 4 and 8: the harness and every Occult variant work at those D on gloo."""
     out = tmp_path / f"sweep_D{world}.csv"
-    methods = ["occult", "occult-static", "occult-pe", "occult-nd2", "occult-nd1", "occult-balanced", "naive"]
+    methods = ["occult", "occult-static", "occult-pe", "occult-nd2", "occult-nd1", "occult-balanced",
+               "occult-latency", "naive"]
     cmd = [sys.executable, "-m", "occult.harness.sweep", "--device", "cpu", "--dtype", "float32", "--D", str(world),
            "--kind", "prefill", "--shapes", "tiny", "--sizes", "6", "--repeats", "2", "--warmup", "1",
            "--out", str(out), "--methods", *methods]
