@@ -19,6 +19,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from occult.cli import build_parser
 
@@ -78,6 +79,7 @@ def _stages() -> list[str]:
     return list(sub.choices)
 
 
+@pytest.mark.slow
 def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     venv = _venv_with_wheel(tmp_path, _build_wheel(tmp_path))
     work = tmp_path / "elsewhere"
