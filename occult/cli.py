@@ -115,11 +115,12 @@ def _report(args, cfg) -> None:
 
 
 def _simulate(args, cfg) -> None:
+    from occult.sim.inputs import simulator_settings
     from occult.sim.run import run_simulate
 
     if cfg.simulate is None:
         raise ConfigError("simulate: the configuration has no simulate section")
-    run_simulate(cfg.simulate, cfg.seed, Path(args.out), Path(args.figures), config_hash=cfg.hash())
+    run_simulate(simulator_settings(cfg.simulate), cfg.seed, Path(args.out), Path(args.figures), config_hash=cfg.hash())
 
 
 def _place_trace(args, cfg) -> None:

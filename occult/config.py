@@ -128,6 +128,9 @@ class BenchConfig:
 
 @dataclass(frozen=True)
 class SimulateConfig:
+    """The scale simulator's model settings; its measured runs are named by the results tree
+    (`results/<machine>/<run>/simulator.yaml`, occult.sim.inputs)."""
+
     shapes: tuple[str, ...]
     methods: tuple[str, ...]
     devices: tuple[int, ...]
@@ -137,66 +140,13 @@ class SimulateConfig:
     inter_node_gbps: float
     inter_node_latency_us: float
     pool_tokens: int
-    measured: tuple[str, ...]           # `FILE[@methods=a,b][@tokens_per_gpu=N,...]`: the rows of the set
-    calibration: tuple[str, ...]        # entries of `measured` (same selectors) whose rows calibrate
-    alltoall_csv: str | None
-    gemm_csv: str | None
     gemm_min_rows_per_expert: int
-    dense_tflops: float
     tolerance: float
     hbm_gbps: float | None = None       # HBM bandwidth: floor of the kernels' weight reads (None: no floor)
-    kernel_stream_gbps: float | None = None   # small Occult expert calls' weight streaming (None: hbm_gbps)
-    kernel_stream_csv: str | None = None      # or fitted from these calls measured (occult.sim.measured.fit_weight_streaming)
-    folders: dict = dataclasses.field(default_factory=dict)   # name -> folder, written `$name` in entries
-    history: tuple = ()                 # older runtimes: ({name, measured, calibration}, ...), validated apart
-    shared_ab: tuple = ()               # ([file with shared experts, file without], ...): the shared expert's cost
+    dense_tflops: float | None = None   # shared experts' matmul rate (None: the results tree's dense_peak file)
+    kernel_stream_gbps: float | None = None   # small expert calls' weight streaming (None: fitted, else hbm_gbps)
     host_speed: str = "auto"            # auto | none | launch | python: host terms scaled by a probe (occult.sim.measured.host_scale_of_set)
-    prediction_check: dict | None = None   # {predictions: FILE, measured: [FILE, ...]}: occult.sim.check
-
-    def expand(self, text: str, field: str) -> str:
-        """`text` with every `$name` replaced by `folders[name]`."""
-        return expand_folders(text, self.folders, field)
-
-    def sets(self) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
-        """(name, measured, calibration) of the current set ("current") and of every history set."""
-        out = [("current", self.measured, self.calibration)]
-        for entry in self.history:
-            out.append((entry["name"], tuple(entry["measured"]), tuple(entry["calibration"])))
-        return out
-
-    def input_files(self) -> list[str]:
-        """Every file the simulator reads (folders expanded, row selectors dropped)."""
-        files = []
-        for name, measured, _ in self.sets():
-            field = "simulate.measured" if name == "current" else f"simulate.history.{name}.measured"
-            files += [self.expand(text, field).partition("@")[0] for text in measured]
-        files += [p for p in (self.alltoall_csv, self.gemm_csv, self.kernel_stream_csv) if p]
-        files += [self.expand(str(text), "simulate.shared_ab") for pair in self.shared_ab for text in pair]
-        return list(dict.fromkeys(files))
-
-    def prediction_check_files(self) -> tuple[str, list[str]]:
-        """(the pre-registered predictions, the measured sweeps) that `occult.sim.check` compares;
-        no measured file: the check has nothing to do."""
-        if self.prediction_check is None:
-            return "", []
-        field = "simulate.prediction_check.measured"
-        return (self.prediction_check["predictions"],
-                [self.expand(text, field) for text in self.prediction_check["measured"]])
-
-
-FOLDER_RE = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)")
-
-
-def expand_folders(text: str, folders: dict, field: str) -> str:
-    """Replace `$name` in a file entry by `folders[name]`; an unknown name is a ConfigError.
-    (Not `{name}`: Snakemake would read that as a wildcard in the rule's params.)"""
-    def one(match: re.Match) -> str:
-        name = match.group(1)
-        if name not in folders:
-            known = ", ".join(sorted(folders)) or "none"
-            raise ConfigError(f"{field}: {text!r} names folder ${name}, not in simulate.folders ({known})")
-        return str(folders[name]).rstrip("/")
-    return FOLDER_RE.sub(one, text)
+    prediction_check: dict | None = None   # {predictions: FILE}: the pre-registered predictions (occult.sim.check)
 
 
 @dataclass(frozen=True)
@@ -356,14 +306,6 @@ def _check_semantics(cfg: Config) -> None:
         kind, nd = parse_bench_case(name)
         if nd is not None:
             _check_prune(f"bench.cases: {name}", nd, experts, top_k, cfg.bench.devices)
-    if cfg.simulate is not None:
-        names = [entry["name"] for entry in cfg.simulate.history]
-        if len(set(names)) != len(names) or "current" in names:
-            raise ConfigError(f"simulate.history: set names must be unique and not 'current' (got {names})")
-        if cfg.simulate.kernel_stream_gbps is not None and cfg.simulate.kernel_stream_csv is not None:
-            raise ConfigError("simulate.kernel_stream_csv: set it or simulate.kernel_stream_gbps, not both "
-                              "(the rate is either fitted from the file or given)")
-        cfg.simulate.input_files()      # every $folder is known
 
 
 def _check_init(cfg: Config) -> None:

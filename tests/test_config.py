@@ -54,6 +54,19 @@ def test_type_error_is_named():
     bad({"pretrain": {"lr": "fast"}}, "pretrain.lr")
 
 
+def test_simulate_holds_model_settings_and_no_measured_files():
+    """The measured runs come from the results tree (simulator.yaml); file lists in the config are
+    unknown keys, and the measured constants are optional overrides."""
+    cfg = load_config(DEFAULT).simulate
+    assert cfg.dense_tflops is None and cfg.kernel_stream_gbps is None and cfg.hbm_gbps == 4300
+    assert set(DEFAULT["simulate"]["prediction_check"]) == {"predictions"}
+    for key in ("measured", "calibration", "history", "folders", "shared_ab", "alltoall_csv", "gemm_csv"):
+        bad({"simulate": {key: []}}, f"simulate.{key}: unknown key")
+    bad({"simulate": {"prediction_check": {"measured": []}}}, "simulate.prediction_check.measured: unknown key")
+    bad({"simulate": {"dense_tflops": 0}}, "simulate.dense_tflops")
+    assert load_config(merge(DEFAULT, {"simulate": {"dense_tflops": 700}})).simulate.dense_tflops == 700
+
+
 def test_experts_not_divisible_by_devices():
     bad({"placement": {"devices": [2, 3]}}, "placement.devices")
     bad({"bench": {"devices": 3}}, "bench.devices")

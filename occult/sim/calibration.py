@@ -3,7 +3,7 @@
 Kernels from `-compute` rows (fwd curve, fwd+bwd scale or curve) and their latency floor from
 graph replays smaller than any of them; Occult's other GPU work from `-graph` rows; the naive EP's
 per-pair cost; the host terms (pre, post) per (method family, pass, D) and each shape's offset
-from them; the shared expert's scale and host time from A/B files (`simulate.shared_ab`). The
+from them; the shared expert's scale and host time from A/B files (`shared_ab`, occult.sim.inputs). The
 all-to-all and grouped-GEMM curves come from commbench (`build_cost_model`). Every other
 measured point validates (`occult.sim.validation`).
 """
@@ -35,8 +35,7 @@ SHARED_AB_METHOD = "occult-graph"      # graph replays: GPU time only, no host t
 SHARED_AB_MIN_TOKENS = 4096            # smaller calls are a latency-bound chain of small kernels
 
 
-def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int = 0, folders: dict | None = None,
-                    host_speed: str = "none"):
+def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int = 0, host_speed: str = "none"):
     """Per (kind, shape, D, tokens_per_gpu) measured both with and without the shared experts: the
     median `value` of the `occult-graph` rows (status ok) over the files with them (column `shared`)
     and over the files without (`noshared`); points of ≥ `min_tokens` tokens/GPU.
@@ -47,16 +46,13 @@ def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int 
     that the difference is not the two processes' host speeds."""
     import pandas as pd
 
-    from occult.config import expand_folders
-
     key = ["kind", "shape", "D", "tokens_per_gpu"]
     frames: dict[str, list] = {"shared": [], "noshared": []}
     for i, pair in enumerate(pairs):
-        field = f"simulate.shared_ab[{i}]"
+        field = f"shared_ab[{i}]"
         if isinstance(pair, (str, bytes)) or len(pair) != 2:
             raise SimulateError(f"{field}: expected [file with shared experts, file without], got {pair!r}")
-        for role, text in zip(("shared", "noshared"), pair):
-            path = expand_folders(str(text), folders or {}, field)
+        for role, path in zip(("shared", "noshared"), pair):
             frame = read_table(path, (*SHARED_AB_COLUMNS, value), field)
             frame = frame[(frame["method"] == SHARED_AB_METHOD) & (frame["status"] == "ok")
                           & ((frame["shared_ffn"] > 0) == (role == "shared"))]   # shapes without one: neither
@@ -74,18 +70,18 @@ def shared_ab_table(pairs: Sequence[Sequence[str]], value: str, min_tokens: int 
     both = both[both["tokens_per_gpu"] >= min_tokens]
     if both.empty:
         sizes = f" of >= {min_tokens} tokens/GPU" if min_tokens else ""
-        raise SimulateError(f"simulate.shared_ab: no (kind, shape, D, tokens/GPU){sizes} is measured both with "
+        raise SimulateError(f"shared_ab: no (kind, shape, D, tokens/GPU){sizes} is measured both with "
                             "and without the shared experts")
     return both
 
 
-def shared_scales(pairs: Sequence[Sequence[str]], dense_tflops: float, hbm_bytes_per_ms: float,
-                  folders: dict | None = None) -> tuple[dict[str, float], list[dict[str, Any]]]:
+def shared_scales(pairs: Sequence[Sequence[str]], dense_tflops: float, hbm_bytes_per_ms: float
+                  ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The shared expert's measured time over its modelled time, per pass (median over points):
     the A/B difference of graph replays (`shared_ab_table`) at ≥ `SHARED_AB_MIN_TOKENS` tokens/GPU.
     Also returns the points (for the sidecar)."""
     points = []
-    for row in shared_ab_table(pairs, "median_ms", SHARED_AB_MIN_TOKENS, folders).itertuples(index=False):
+    for row in shared_ab_table(pairs, "median_ms", SHARED_AB_MIN_TOKENS).itertuples(index=False):
         pass_ = pass_of(row.kind)
         modelled = shared_expert_ms(get_shape(row.shape), float(row.tokens_per_gpu), pass_, dense_tflops, hbm_bytes_per_ms)
         points.append({"pass": pass_, "shape": row.shape, "D": int(row.D), "tokens_per_gpu": int(row.tokens_per_gpu),
@@ -94,7 +90,7 @@ def shared_scales(pairs: Sequence[Sequence[str]], dense_tflops: float, hbm_bytes
     return per_pass_median(points, "ratio"), points
 
 
-def shared_host_per_launch(pairs: Sequence[Sequence[str]], folders: dict | None = None, host_speed: str = "none"
+def shared_host_per_launch(pairs: Sequence[Sequence[str]], host_speed: str = "none"
                            ) -> tuple[dict[str, float], dict[str, dict[str, float]], list[dict[str, Any]]]:
     """The shared expert's host time from the A/B difference of the graph replays' host time
     (`host_ms`: the replay is one launch, the shared expert runs eagerly after it), at every size,
@@ -103,7 +99,7 @@ def shared_host_per_launch(pairs: Sequence[Sequence[str]], folders: dict | None 
     points). Also returns the points. Ops of one shape cost different host times (a linear more than
     an add), so a measured shape takes its own time and the per-op rate prices the others."""
     points = []
-    for row in shared_ab_table(pairs, "host_ms", 0, folders, host_speed).itertuples(index=False):
+    for row in shared_ab_table(pairs, "host_ms", 0, host_speed).itertuples(index=False):
         pass_ = pass_of(row.kind)
         launches = shared_launches(get_shape(row.shape), pass_)
         points.append({"pass": pass_, "shape": row.shape, "D": int(row.D), "tokens_per_gpu": int(row.tokens_per_gpu),
@@ -132,14 +128,13 @@ def build_cost_model(settings: Any) -> CostModel:
     hbm_bytes_per_ms = math.inf if hbm is None else hbm * 1e9 / 1e3
     stream = getattr(settings, "kernel_stream_gbps", None)
     stream_csv = getattr(settings, "kernel_stream_csv", None)
-    if stream_csv is not None:
+    if stream is None and stream_csv is not None:      # a rate the config sets wins over the fit
         stream = float(np.median([fit["rate_gbps"] for fit in fit_weight_streaming(stream_csv)]))
     stream_bytes_per_ms = math.inf if stream is None else stream * 1e9 / 1e3
     pairs = getattr(settings, "shared_ab", ())
-    folders = getattr(settings, "folders", {})
-    scale = shared_scales(pairs, settings.dense_tflops, hbm_bytes_per_ms, folders)[0] if pairs else {}
+    scale = shared_scales(pairs, settings.dense_tflops, hbm_bytes_per_ms)[0] if pairs else {}
     host_speed = getattr(settings, "host_speed", "auto")
-    per_launch, by_shape, _ = shared_host_per_launch(pairs, folders, host_speed) if pairs else ({}, {}, [])
+    per_launch, by_shape, _ = shared_host_per_launch(pairs, host_speed) if pairs else ({}, {}, [])
     return CostModel(link, None, None, grouped_gemm_curves(settings.gemm_csv, settings.gemm_min_rows_per_expert),
                      settings.dense_tflops, hbm_bytes_per_ms=hbm_bytes_per_ms, shared_scale=scale,
                      kernel_stream_bytes_per_ms=stream_bytes_per_ms,
@@ -246,7 +241,7 @@ def kernel_rows(points: Sequence[MeasuredPoint], pass_: str, cost: CostModel) ->
         ms = p.measured_ms - cost.shared_ms(p.shape, float(p.row.tokens_per_gpu), pass_)
         ms -= point_weight_ms(p, pass_, cost.hbm_bytes_per_ms)
         if ms <= 0:
-            raise SimulateError(f"simulate.calibration: {p.row.source}: {p.row.method} at {p.row.tokens_per_gpu} "
+            raise SimulateError(f"calibration: {p.row.source}: {p.row.method} at {p.row.tokens_per_gpu} "
                                 "tokens/GPU is faster than its experts' weight reads (hbm_gbps too low?)")
         flops = pairs * expert_flops_per_pair(p.shape)
         out.append((flops / 1e9, flops / (ms * 1e-3) / 1e12, p))

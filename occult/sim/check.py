@@ -7,9 +7,10 @@ busiest device's (token, expert) pairs over the mean) and the speedup over the n
 and predicted. Rows the simulator does not model (MegaBlocks, Tutel, ...) keep their measured time
 and speedup with status `not simulated`, so the table is also the run's comparison of methods.
 
-Two kinds of predictions file are meant: the one committed before the run (`simulate.prediction_check.
-predictions`, the pre-registered numbers) and the one today's calibration writes
-(`results/<run>/simulate/predictions_D4_D8.csv`).
+The measured sweeps are those that simulator.yaml files of the results tree name under
+`prediction_check` (occult.sim.inputs). Two kinds of predictions file are meant: the one committed
+before the run (`simulate.prediction_check.predictions`, the pre-registered numbers) and the one
+today's calibration writes (`results/<run>/simulate/predictions_D4_D8.csv`).
 """
 
 from __future__ import annotations
@@ -203,10 +204,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Bad inputs raise `ConfigError` / `SimulateError`, naming the field or file."""
     from occult.config import ConfigError, load_config
     from occult.provenance import provenance, write_csv
+    from occult.sim.inputs import SPEC_NAME, discover
 
     parser = argparse.ArgumentParser(prog="python -m occult.sim.check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="its simulate.prediction_check names the files, "
+    parser.add_argument("--config", required=True, help="its simulate.prediction_check names the predictions, "
                         "simulate.tolerance the tolerance")
+    parser.add_argument("--results", type=Path, default=None,
+                        help=f"the results tree whose {SPEC_NAME} files name the measured sweeps under prediction_check "
+                             "(default: ./results where it holds an index, else the repository's)")
     parser.add_argument("--current", type=Path, help="also check today's predictions_D4_D8.csv")
     parser.add_argument("--out", required=True, type=Path, help="directory of prediction_check.csv and its summary")
     parser.add_argument("--figure", type=Path, default=None)
@@ -217,10 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load_config(args.config)
     if cfg.simulate is None or cfg.simulate.prediction_check is None:
-        raise ConfigError("simulate.prediction_check: the configuration names no predictions and measured files")
+        raise ConfigError("simulate.prediction_check: the configuration names no pre-registered predictions")
     spec = cfg.simulate.prediction_check
     field = "simulate.prediction_check"
-    measured = read_sweeps([cfg.simulate.expand(p, f"{field}.measured") for p in spec["measured"]], f"{field}.measured")
+    files = discover(args.results).prediction_check
+    if not files:
+        raise SimulateError(f"prediction_check: no {SPEC_NAME} of the results tree names measured sweeps to check")
+    measured = read_sweeps(files, "prediction_check")
     predictions = {"preregistered": read_predictions(spec["predictions"], f"{field}.predictions")}
     if args.current is not None:
         predictions["current"] = read_predictions(args.current, "--current")
@@ -228,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     totals = summary(table)
     meta = provenance(cfg.hash(), cfg.seed, stage="prediction_check", tolerance=cfg.simulate.tolerance,
                       predictions={"preregistered": spec["predictions"], "current": str(args.current)},
-                      measured=list(spec["measured"]), routing_only=args.routing_only)
+                      measured=list(files), routing_only=args.routing_only)
     write_csv(args.out / "prediction_check.csv", table, meta=meta)
     write_csv(args.out / "prediction_check_summary.csv", totals, meta=meta)
     if args.figure is not None:

@@ -49,10 +49,10 @@ def alltoall_curves(path: str | Path | None) -> dict[int, LogLogCurve]:
     the shipped 2-GPU table (`occult.sim.builtin_alltoall`) when `path` is None."""
     if path is None:
         return {2: builtin_alltoall_curve()}
-    frame = read_table(path, ALLTOALL_COLUMNS, "simulate.alltoall_csv")
+    frame = read_table(path, ALLTOALL_COLUMNS, "alltoall")
     equal = frame[(frame["pattern"] == "equal") & (frame["D"] > 1) & (frame["bytes_remote_per_rank"] > 0)]
     if equal.empty:
-        raise SimulateError(f"simulate.alltoall_csv: {path} has no equal-split rows with D > 1")
+        raise SimulateError(f"alltoall: {path} has no equal-split rows with D > 1")
     curves = {}
     for devices, rows in equal.groupby("D"):
         by_size = rows.groupby("bytes_remote_per_rank")["median_ms"].median().sort_index()
@@ -61,7 +61,7 @@ def alltoall_curves(path: str | Path | None) -> dict[int, LogLogCurve]:
 
 
 def fit_weight_streaming(path: str | Path, max_tokens: int = 16,
-                         field: str = "simulate.kernel_stream_csv") -> list[dict[str, Any]]:
+                         field: str = "kernel_stream") -> list[dict[str, Any]]:
     """Per shape, the rate at which decode-sized Occult expert calls stream their weights, from an
     `occult.harness.sweep` CSV of `occult-compute-graph` rows (the kernels alone) with uniform routing: each
     row's expected active experts under uniform top-k, E·(1 − (1 − k/E)^T), times an expert's weight
@@ -97,12 +97,12 @@ def grouped_gemm_curves(path: str | Path | None, min_rows_per_expert: int) -> di
     fill the GPU's SMs with (∝ rows × F summed over experts) once each expert has a full row tile."""
     if path is None:
         return {}
-    frame = read_table(path, GEMM_COLUMNS, "simulate.gemm_csv")
+    frame = read_table(path, GEMM_COLUMNS, "gemm")
     curves = {}
     for (gemm_pass, shape), rows in frame.groupby(["pass", "shape"]):
         kept = rows[rows["rows_per_expert"] >= min_rows_per_expert]
         if kept.empty:
-            raise SimulateError(f"simulate.gemm_csv: {path} has no {shape} {gemm_pass} rows with ≥ "
+            raise SimulateError(f"gemm: {path} has no {shape} {gemm_pass} rows with ≥ "
                                 f"{min_rows_per_expert} rows per expert")
         gflop = kept["experts"] * kept["rows_per_expert"] * 6.0 * kept["hidden"] * kept["ffn"] / 1e9
         by_work = kept.assign(gflop=gflop).groupby("gflop")["tflops"].median().sort_index()
@@ -117,17 +117,15 @@ SELECTOR_KEYS = ("methods", "tokens_per_gpu")
 @dataclass(frozen=True)
 class FileEntry:
     """`path[@methods=a,b][@tokens_per_gpu=N,...]`: the file's rows of those methods and sizes
-    (every row where a selector is absent). `$name` is replaced by `simulate.folders[name]`."""
+    (every row where a selector is absent)."""
 
     path: Path
     methods: frozenset[str] | None
     tokens_per_gpu: frozenset[int] | None
 
     @classmethod
-    def parse(cls, text: str, field: str, folders: dict | None = None) -> "FileEntry":
-        from occult.config import expand_folders
-
-        path, *selectors = expand_folders(text, folders or {}, field).split("@")
+    def parse(cls, text: str, field: str) -> "FileEntry":
+        path, *selectors = text.split("@")
         chosen: dict[str, Any] = {}
         usage = f"{field}: {text!r}: expected FILE[@methods=a,b][@tokens_per_gpu=N,...]"
         for selector in selectors:
@@ -157,16 +155,14 @@ def is_simulated_method(name: str) -> bool:
     return name == "naive" or is_occult(name)
 
 
-def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders: dict | None = None,
-                  field: str = "simulate"):
-    """Every ok Occult / naive row the entries of `paths` select, with its source, routing, commit
-    and role (`calibration` if an entry of `calibration` holds it, else `validation`)."""
+def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), field: str = "simulate"):
+    """Every ok Occult / naive row the entries of `paths` select, with its source (the entry's file
+    as written), routing, commit and role (`calibration` if an entry of `calibration` holds it, else
+    `validation`)."""
     import pandas as pd
 
-    from occult.config import expand_folders
-
-    measured = [FileEntry.parse(text, f"{field}.measured", folders) for text in paths]
-    entries = [FileEntry.parse(text, f"{field}.calibration", folders) for text in calibration]
+    measured = [FileEntry.parse(text, f"{field}.measured") for text in paths]
+    entries = [FileEntry.parse(text, f"{field}.calibration") for text in calibration]
     by_path = {}
     for entry, text in zip(measured, paths):
         if entry.path in by_path:
@@ -177,7 +173,7 @@ def read_measured(paths: Sequence[str], calibration: Sequence[str] = (), folders
             raise SimulateError(f"{field}.calibration: {entry.path} is not one of {field}.measured")
     frames = []
     for resolved, (entry, text) in by_path.items():
-        path = expand_folders(text, folders or {}, f"{field}.measured").partition("@")[0]
+        path = text.partition("@")[0]
         frame = read_table(resolved, MEASURED_COLUMNS, f"{field}.measured")
         frame = frame[(frame["status"] == "ok") & frame["method"].map(is_simulated_method)].copy()
         if "timing" in frame.columns:   # the model prices a call from a drained GPU (occult.harness.sweep --timing step)

@@ -1,8 +1,9 @@
 """Trace-driven scale simulator of the EP MoE layer: bytes per device pair, then time.
 
-Reads the measured files of `simulate` (occult.sim.measured), calibrates the cost model on the
-declared calibration rows (occult.sim.calibration), validates it on every other measured point
-(occult.sim.validation), and predicts larger D (occult.sim.predict); docs/simulator.md.
+Reads the measured runs that the results tree names (occult.sim.inputs: every run's
+simulator.yaml), calibrates the cost model on the declared calibration rows
+(occult.sim.calibration), validates it on every other measured point (occult.sim.validation),
+and predicts larger D (occult.sim.predict); docs/simulator.md.
 The pipeline calls `occult simulate`; `python -m occult.sim.run` is the same for direct use.
 """
 
@@ -20,7 +21,7 @@ from occult.sim.builtin_alltoall import BUILTIN_ALLTOALL_SOURCE
 from occult.sim.calibration import build_cost_model
 from occult.sim.cost_model_json import cost_model_source, write_cost_model
 from occult.sim.figures import plot_speedup, plot_validation, print_summary
-from occult.sim.measured import host_scale_of_set, read_measured
+from occult.sim.inputs import HEADLINE, read_sets, simulator_settings
 from occult.sim.predict import RecordedRequest, cost_summary, predict, predict_recorded, sweep_points
 from occult.sim.traces import ShapeTraces, trace_key
 from occult.sim.validation import history_tables, validate
@@ -30,20 +31,16 @@ def run_simulate(settings: Any, seed: int, out_dir: Path, figures_dir: Path | No
                  config_hash: str | None = None, recorded: RecordedRequest | None = None) -> dict[str, Path]:
     """Validation table, scale predictions and the sweep's sizes at `prediction_devices` (+ figures), the
     calibrated model (`cost_model.json`), and with `recorded` the predictions on a recorded trace, with the
-    same calibrated model; returns the paths."""
+    same calibrated model; returns the paths. `settings`: a `SimulatorSettings` (occult.sim.inputs)."""
     from occult.provenance import provenance, seed_everything, write_csv
 
     seed_everything(seed)
-    measured = {name: read_measured(files, calibration, settings.folders,
-                                    "simulate" if name == "current" else f"simulate.history.{name}")
-                for name, files, calibration in settings.sets()}
-    for frame in measured.values():
-        frame["host_scale"] = host_scale_of_set(frame, getattr(settings, "host_speed", "auto"))
+    measured = read_sets(settings)
     keys = {(s, "synthetic") for s in settings.shapes}
     for frame in measured.values():
         keys |= {(s, r) for s, r in zip(frame["shape"], frame["routing"]) if r != "trace"}
     traces = {trace_key(s, r): ShapeTraces(get_shape(s), settings.pool_tokens, seed, r) for s, r in sorted(keys)}
-    table, cost = validate(settings, traces, build_cost_model(settings), measured.pop("current"))
+    table, cost = validate(settings, traces, build_cost_model(settings), measured.pop(HEADLINE))
     history, history_costs = history_tables(settings, traces, measured)
     targets = {name: traces[name] for name in settings.shapes}
     prefill = [("prefill", tokens, None) for tokens in settings.tokens_per_gpu]
@@ -92,6 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True, type=Path, help="directory of the three CSVs")
     parser.add_argument("--figures", type=Path, default=None)
+    parser.add_argument("--results", type=Path, default=None,
+                        help="the results tree whose simulator.yaml files name the measured runs "
+                             "(default: ./results where it holds an index, else the repository's)")
     parser.add_argument("--trace", type=Path, metavar="PROFILE_DIR",
                         help="also predict on this recorded routing (routing_*.npz or a GPU run's *_sample.npz)")
     parser.add_argument("--trace-name", default="trace", help="its name in the CSV")
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     recorded = None if args.trace is None else RecordedRequest(
         args.trace, args.trace_name, args.trace_shape, args.trace_layers,
         args.trace_out or args.out / "predictions_trace.csv")
-    run_simulate(cfg.simulate, cfg.seed, args.out, args.figures, cfg.hash(), recorded)
+    run_simulate(simulator_settings(cfg.simulate, args.results), cfg.seed, args.out, args.figures, cfg.hash(), recorded)
     return 0
 
 

@@ -1,5 +1,5 @@
 """The results index: schema and tree checks on small hand-made trees, and the committed index files
-against the committed tree and the simulator's inputs."""
+against the committed tree and the simulator's inputs (the runs' simulator.yaml files)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from occult.config import load_config
 from occult.report.results_index import (
     COLUMNS, ResultsIndexError, current_runs, load_index, runs_in_tree, unindexed_runs,
 )
+from occult.sim.inputs import discover
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_MACHINES = {"tiny", "preregistered", "paper"}   # results/ folders that are not per-machine run folders
@@ -134,16 +134,15 @@ def test_the_committed_index_matches_the_committed_tree():
 
 
 def test_every_file_the_simulator_reads_is_in_an_indexed_run_that_says_so():
-    cfg = load_config(REPO / "config" / "config.yaml")
-    index = load_index(REPO / "results").set_index(["machine", "run"])
-    for name in cfg.simulate.input_files():
-        parts = Path(name).parts
-        if parts[0] != "results" or parts[1] in NOT_MACHINES:
-            continue
-        assert (REPO / name).is_file(), name
-        entry = index.loc[(parts[1], parts[2])]
-        assert entry["in_tree"] == "yes", name
-        assert "simulator" in entry["used_by"].split(";"), f"{parts[1]}/{parts[2]}: used_by lacks simulator ({name})"
+    """The simulator reads exactly the in-tree runs whose index rows list `simulator` (each through its
+    simulator.yaml), and only files inside those runs."""
+    inputs = discover(REPO / "results")
+    index = load_index(REPO / "results")
+    marked = index[(index["in_tree"] == "yes") & index["used_by"].str.split(";").map(lambda u: "simulator" in u)]
+    runs = {Path(spec).parent.relative_to(REPO / "results").parts for spec in inputs.specs}
+    assert runs == set(zip(marked["machine"], marked["run"]))
+    for name in inputs.files():
+        assert Path(name).parent.relative_to(REPO / "results").parts[:2] in runs, name
 
 
 def test_every_run_the_paper_claims_read_is_in_the_tree_and_says_so():

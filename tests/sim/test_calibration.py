@@ -14,6 +14,7 @@ from occult.sim.calibration import (MeasuredPoint, build_cost_model, graph_repla
                                     measured_points, shared_host_per_launch, shared_scales)
 from occult.sim.columns import VALIDATION_COLUMNS, SimulateError
 from occult.sim.cost_model import CostModel, HostTerms, fit_host, layer_time, method_spec, shared_expert_ms, shared_launches, weight_read_ms
+from occult.sim.inputs import MeasuredSet
 from occult.sim.measured import read_measured
 from occult.sim.predict import cost_summary
 from occult.sim.run import run_simulate
@@ -114,7 +115,7 @@ def test_per_expert_rows_get_their_own_rate_and_history_sets_validate_apart(tmp_
         fitted = validate(cfg, traces, build_cost_model(cfg), read_measured(cfg.measured, cfg.calibration))[1]
         rates.append(fitted.pe_per_row_ns)
     assert rates[0] is not None and rates[0] > 0 and rates[0] == rates[1]
-    history = ({"name": "old", "measured": [path], "calibration": [path]},)
+    history = (MeasuredSet("old", (path,), (path,), ("old/simulator.yaml",)),)
     cfg = settings(measured=(path,), calibration=(f"{path}@tokens_per_gpu=64,1024,4096",), history=history)
     paths = run_simulate(cfg, 0, tmp_path / "out", None)
     old = pd.read_csv(paths["history"])
@@ -150,7 +151,7 @@ def test_kernel_floor_and_train_other_work_come_from_calibration_rows_only(tmp_p
     assert fits[0].kernel_floor_ms == fits[1].kernel_floor_ms and fits[0].other_gpu == fits[1].other_gpu
     bad = tmp_path / "gemm.csv"
     pd.DataFrame([{"shape": "tiny", "rows_per_expert": 64, "pass": "fwd", "tflops": 1.0}]).to_csv(bad, index=False)
-    with pytest.raises(SimulateError, match=r"simulate.gemm_csv: .*gemm.csv lacks column\(s\) experts, hidden, ffn"):
+    with pytest.raises(SimulateError, match=r"gemm: .*gemm.csv lacks column\(s\) experts, hidden, ffn"):
         build_cost_model(settings(gemm_csv=str(bad)))
 
 

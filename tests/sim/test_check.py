@@ -97,18 +97,23 @@ def test_bad_inputs_are_named(tmp_path, predictions):
         read_predictions(lacking, "simulate.prediction_check.predictions")
     none_ok = tmp_path / "none_ok.csv"
     sweep_rows(predictions.iloc[:4], {"naive": 1.0, "occult": 1.0}).assign(status="timeout").to_csv(none_ok, index=False)
-    with pytest.raises(SimulateError, match="measured: no ok, step-timed row in .*none_ok.csv"):
-        read_sweeps([none_ok], "simulate.prediction_check.measured")
-    with pytest.raises(SimulateError, match="measured: .*absent.csv does not exist"):
-        read_sweeps([tmp_path / "absent.csv"], "simulate.prediction_check.measured")
+    with pytest.raises(SimulateError, match="prediction_check: no ok, step-timed row in .*none_ok.csv"):
+        read_sweeps([none_ok], "prediction_check")
+    with pytest.raises(SimulateError, match="prediction_check: .*absent.csv does not exist"):
+        read_sweeps([tmp_path / "absent.csv"], "prediction_check")
 
 
-def write_config(tmp_path: Path, measured: list[str]) -> Path:
-    cfg = yaml.safe_load((REPO / "config/config.yaml").read_text())
-    cfg["simulate"]["prediction_check"] = {"predictions": str(PREREGISTERED), "measured": measured}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+def write_results(tmp_path: Path, sweeps: list[Path]) -> Path:
+    """A results tree with one run whose simulator.yaml names `sweeps` (its files) for the check."""
+    run = tmp_path / "results" / "gpu-a" / "d4_v1"
+    run.mkdir(parents=True, exist_ok=True)
+    for sweep in sweeps:
+        if sweep.exists():
+            sweep.replace(run / sweep.name)
+    (run / "simulator.yaml").write_text(yaml.safe_dump({"prediction_check": [s.name for s in sweeps]}))
+    (run.parent / "index.csv").write_text("run,kind,commit,target,status,superseded_by,in_tree,used_by,note\n"
+                                          "d4_v1,sweeps,abc1234,snakemake x,current,,yes,simulator,D=4 sweeps\n")
+    return run.parent.parent
 
 
 def test_command_writes_the_table_summary_and_figure_or_one_error(tmp_path, predictions):
@@ -116,8 +121,9 @@ def test_command_writes_the_table_summary_and_figure_or_one_error(tmp_path, pred
     sweep_rows(predictions[(predictions["D"] == 4) & (predictions["kind"] == "prefill")],
                {"naive": 1.0, "occult": 1.1}).to_csv(sweep, index=False)
     out, figure, log = tmp_path / "out", tmp_path / "check.png", tmp_path / "log.jsonl"
-    cmd = [sys.executable, "-m", "occult.sim.check", "--config", str(write_config(tmp_path, [str(sweep)])),
-           "--current", str(PREREGISTERED), "--out", str(out), "--figure", str(figure), "--log-json", str(log)]
+    cmd = [sys.executable, "-m", "occult.sim.check", "--config", str(REPO / "config/config.yaml"),
+           "--results", str(write_results(tmp_path, [sweep])), "--current", str(PREREGISTERED), "--out", str(out),
+           "--figure", str(figure), "--log-json", str(log)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     table = pd.read_csv(out / "prediction_check.csv")
@@ -126,8 +132,8 @@ def test_command_writes_the_table_summary_and_figure_or_one_error(tmp_path, pred
     assert "occult" in proc.stdout and json.loads(log.read_text().splitlines()[-1])["event"] == "done"
 
     bad_out = tmp_path / "bad"
-    cmd[cmd.index("--config") + 1] = str(write_config(tmp_path, [str(tmp_path / "absent.csv")]))
+    write_results(tmp_path, [tmp_path / "absent.csv"])
     cmd[cmd.index("--out") + 1] = str(bad_out)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "simulate.prediction_check.measured" in proc.stderr and "absent.csv" in proc.stderr
+    assert proc.returncode == 1 and "simulator.yaml: prediction_check[0]" in proc.stderr and "absent.csv" in proc.stderr
     assert not bad_out.exists()

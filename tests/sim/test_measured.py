@@ -1,5 +1,5 @@
 """Measured inputs: the simulate settings and fake sweep files the simulator tests share, row
-selectors and folders, the host-speed probes, the weight-streaming fit, and bad files named."""
+selectors, the host-speed probes, the weight-streaming fit, and bad files named."""
 
 import dataclasses
 
@@ -7,21 +7,20 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from occult.config import SimulateConfig
 from occult.harness.baselines import get_shape
 from occult.sim.calibration import build_cost_model
 from occult.sim.columns import SimulateError
 from occult.sim.cost_model import expert_weight_bytes
+from occult.sim.inputs import SimulatorSettings
 from occult.sim.measured import alltoall_curves, fit_weight_streaming, host_scale_column, host_scale_of_set, read_measured
 from occult.sim.predict import cost_summary
 
 
-def settings(**changes) -> SimulateConfig:
-    base = SimulateConfig(
+def settings(**changes) -> SimulatorSettings:
+    base = SimulatorSettings(
         shapes=("tiny",), methods=("occult", "occult-nd1", "occult-graph", "naive"), devices=(2, 4),
         tokens_per_gpu=(64, 256), prediction_devices=(2,), gpus_per_node=2, inter_node_gbps=400, inter_node_latency_us=15,
-        pool_tokens=512, measured=(), calibration=(), alltoall_csv=None, gemm_csv=None, gemm_min_rows_per_expert=1,
-        dense_tflops=760, tolerance=0.15)
+        pool_tokens=512, gemm_min_rows_per_expert=1, tolerance=0.15, dense_tflops=760)
     return dataclasses.replace(base, **changes)
 
 
@@ -88,17 +87,15 @@ def test_bad_measured_inputs_are_named(tmp_path):
         read_measured([good], [f"{good}@batch=3"])
     a2a = tmp_path / "alltoall.csv"
     pd.DataFrame({"D": [2], "pattern": ["equal"]}).to_csv(a2a, index=False)
-    with pytest.raises(SimulateError, match="alltoall_csv: .*alltoall.csv lacks column"):
+    with pytest.raises(SimulateError, match="alltoall: .*alltoall.csv lacks column"):
         alltoall_curves(str(a2a))
 
 
-def test_entry_selectors_and_folders_choose_the_rows(tmp_path):
-    """`$folder` expands; `@methods=` keeps a file's rows of those methods; bad entries are named."""
-    from occult.config import ConfigError
-
+def test_entry_selectors_choose_the_rows(tmp_path):
+    """`@methods=` keeps a file's rows of those methods, `@tokens_per_gpu=` of those sizes; the source
+    is the file as written; bad entries are named."""
     path = fake_sweep(tmp_path, "sweep.csv")
-    folders = {"run": str(tmp_path)}
-    naive_only = read_measured(["$run/sweep.csv@methods=naive"], ["$run/sweep.csv@tokens_per_gpu=64"], folders)
+    naive_only = read_measured([f"{path}@methods=naive"], [f"{path}@tokens_per_gpu=64"])
     assert set(naive_only["method"]) == {"naive"} and len(naive_only) == 6
     assert set(naive_only.loc[naive_only["tokens_per_gpu"] == 64, "role"]) == {"calibration"}
     assert set(naive_only.loc[naive_only["tokens_per_gpu"] != 64, "role"]) == {"validation"}
@@ -106,8 +103,6 @@ def test_entry_selectors_and_folders_choose_the_rows(tmp_path):
     both = read_measured([path], [f"{path}@methods=occult@tokens_per_gpu=64,256"])
     chosen = both[both["role"] == "calibration"]
     assert set(chosen["method"]) == {"occult"} and set(chosen["tokens_per_gpu"]) == {64, 256}
-    with pytest.raises(ConfigError, match=r"simulate.measured: '\$nope/sweep.csv' names folder \$nope"):
-        read_measured(["$nope/sweep.csv"], [], folders)
     with pytest.raises(SimulateError, match="simulate.calibration: .*expected FILE"):
         read_measured([path], [f"{path}@tokens_per_gpu=a"])
     with pytest.raises(SimulateError, match="simulate.measured: .*unknown option 'bogus'"):
@@ -116,36 +111,6 @@ def test_entry_selectors_and_folders_choose_the_rows(tmp_path):
         read_measured([path, f"{path}@methods=naive"])
     with pytest.raises(SimulateError, match="selects no ok, step-timed Occult / naive row"):
         read_measured([f"{path}@tokens_per_gpu=7"])
-
-
-def test_config_folders_point_every_entry_at_one_run(tmp_path):
-    """The repository's config resolves; an unknown $folder or a reused history name is a ConfigError."""
-    import yaml
-
-    from occult.config import ConfigError, load_config
-
-    cfg = load_config("config/config.yaml")
-    files = cfg.simulate.input_files()
-    assert files and all("$" not in f and "@" not in f for f in files)
-    assert any(f.startswith(cfg.simulate.folders["ep"]) for f in files)
-    raw = yaml.safe_load(open("config/config.yaml"))
-    raw["simulate"]["measured"] = [*raw["simulate"]["measured"], "$elsewhere/x.csv"]
-    with pytest.raises(ConfigError, match=r"simulate.measured: '\$elsewhere/x.csv' names folder \$elsewhere"):
-        load_config(raw)
-    raw = yaml.safe_load(open("config/config.yaml"))
-    raw["simulate"]["history"] = [{"name": "current", "measured": ["a.csv"], "calibration": []}]
-    with pytest.raises(ConfigError, match="simulate.history: set names"):
-        load_config(raw)
-    assert any(f.startswith(cfg.simulate.folders["v15"]) and "noshared" in f for f in files)     # shared_ab files
-    raw = yaml.safe_load(open("config/config.yaml"))
-    raw["simulate"]["shared_ab"] = [["a.csv", "b.csv", "c.csv"]]
-    with pytest.raises(ConfigError, match="simulate.shared_ab"):
-        load_config(raw)
-    assert cfg.simulate.kernel_stream_csv in files                      # the streaming rate's file
-    raw = yaml.safe_load(open("config/config.yaml"))
-    raw["simulate"]["kernel_stream_gbps"] = 2600
-    with pytest.raises(ConfigError, match="simulate.kernel_stream_csv: set it or simulate.kernel_stream_gbps"):
-        load_config(raw)
 
 
 def streaming_csv(path, rates_gbps: dict[str, float], intercept_ms: float = 0.08, extra: list | None = None) -> str:
@@ -165,8 +130,9 @@ def streaming_csv(path, rates_gbps: dict[str, float], intercept_ms: float = 0.08
 
 def test_the_streaming_rate_is_fitted_from_the_kernels_alone(tmp_path):
     """fit_weight_streaming recovers each shape's rate and intercept from decode-sized rows only;
-    the cost model takes the median over shapes where simulate.kernel_stream_csv is set; rows of
-    another method, routing or status do not count; unusable files name the field and the file."""
+    the cost model takes the median over shapes where a kernel_stream file is named and no rate is
+    set; rows of another method, routing or status do not count; unusable files name the role and
+    the file."""
     other = {"status": "ok", "method": "occult-graph", "routing": "uniform", "shape": "olmoe", "tokens_per_gpu": 4,
              "median_ms": 9.0}
     path = streaming_csv(tmp_path / "k.csv", {"olmoe": 2600.0, "qwen": 2400.0, "deepseek": 2800.0}, extra=[other])
@@ -177,9 +143,11 @@ def test_the_streaming_rate_is_fitted_from_the_kernels_alone(tmp_path):
     assert cost.kernel_stream_bytes_per_ms == pytest.approx(2600e9 / 1e3)
     assert cost_summary(cost)["kernel_stream_gbps"] == pytest.approx(2600)
     assert build_cost_model(settings(kernel_stream_gbps=3000)).kernel_stream_bytes_per_ms == pytest.approx(3000e6)
+    given = build_cost_model(settings(kernel_stream_gbps=3000, kernel_stream_csv=path))    # the set rate wins
+    assert given.kernel_stream_bytes_per_ms == pytest.approx(3000e6)
     one_size = tmp_path / "one.csv"
     pd.read_csv(path).query("tokens_per_gpu == 4 or tokens_per_gpu == 512").to_csv(one_size, index=False)
-    with pytest.raises(SimulateError, match=r"simulate.kernel_stream_csv: .*one.csv has deepseek rows at one size"):
+    with pytest.raises(SimulateError, match=r"kernel_stream: .*one.csv has deepseek rows at one size"):
         fit_weight_streaming(one_size)
     flat = tmp_path / "flat.csv"
     pd.read_csv(path).assign(median_ms=0.3).to_csv(flat, index=False)
@@ -187,5 +155,5 @@ def test_the_streaming_rate_is_fitted_from_the_kernels_alone(tmp_path):
         fit_weight_streaming(flat)
     with pytest.raises(SimulateError, match="no ok occult-compute-graph rows with uniform routing"):
         fit_weight_streaming(path, max_tokens=0)
-    with pytest.raises(SimulateError, match=r"simulate.kernel_stream_csv: .*missing.csv does not exist"):
+    with pytest.raises(SimulateError, match=r"kernel_stream: .*missing.csv does not exist"):
         build_cost_model(settings(kernel_stream_csv=str(tmp_path / "missing.csv")))

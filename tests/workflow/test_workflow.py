@@ -42,12 +42,30 @@ def test_every_shell_script_parses_as_bash():
         assert result.returncode == 0, f"{script.name}: {result.stderr}"
 
 
-def test_prediction_check_joins_the_dag_once_its_measured_files_are_named(tmp_path):
-    sweep = tmp_path / "sweep_prefill_D4.csv"
-    sweep.write_text("kind,shape,method,D,tokens_per_gpu,median_ms,status\nprefill,olmoe,occult,4,1024,1.0,ok\n")
-    check = ("simulate={'prediction_check': {'predictions': 'results/preregistered/predictions_D4_D8_90f63fd.csv', "
-             f"'measured': ['{sweep}']}}}}")
-    named = dry_run("--forceall", "--config", check)
+def test_prediction_check_joins_the_dag_once_a_run_names_its_sweeps(tmp_path):
+    """A results tree (here a working directory's) whose simulator.yaml names sweeps under
+    prediction_check adds rule check_predictions; the committed tree names none yet."""
+    run = tmp_path / "results" / "gpu-a" / "d4_v1"
+    run.mkdir(parents=True)
+    (run / "sweep_prefill_D4.csv").write_text("kind,shape,method,D,tokens_per_gpu,median_ms,status\n"
+                                              "prefill,olmoe,occult,4,1024,1.0,ok\n")
+    (run / "simulator.yaml").write_text("prediction_check: [sweep_prefill_D4.csv]\n")
+    (run.parent / "index.csv").write_text("run,kind,commit,target,status,superseded_by,in_tree,used_by,note\n"
+                                          "d4_v1,sweeps,abc1234,snakemake x,current,,yes,simulator,D=4 sweeps\n")
+    named = dry_run("--forceall", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+                    "--configfile", str(REPO / "config" / "config.yaml"))
     assert named.returncode == 0, named.stderr[-2000:]
     assert "check_predictions" in named.stdout
     assert "check_predictions" not in dry_run("--forceall").stdout     # default: nothing measured yet
+
+
+def test_a_bad_simulator_yaml_stops_before_any_job(tmp_path):
+    run = tmp_path / "results" / "gpu-a" / "d4_v1"
+    run.mkdir(parents=True)
+    (run / "simulator.yaml").write_text("prediction_check: [absent.csv]\n")
+    (run.parent / "index.csv").write_text("run,kind,commit,target,status,superseded_by,in_tree,used_by,note\n"
+                                          "d4_v1,sweeps,abc1234,snakemake x,current,,yes,simulator,D=4 sweeps\n")
+    out = dry_run("--forceall", "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path),
+                  "--configfile", str(REPO / "config" / "config.yaml"))
+    assert out.returncode != 0
+    assert "d4_v1/simulator.yaml: prediction_check[0]" in out.stderr + out.stdout

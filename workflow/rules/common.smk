@@ -7,6 +7,8 @@ from snakemake.exceptions import WorkflowError
 
 from occult.config import ConfigError, load_config
 from occult.report.results_index import ResultsIndexError, runs_in_tree
+from occult.sim.columns import SimulateError
+from occult.sim.inputs import discover
 
 try:
     CFG = load_config(config)
@@ -172,17 +174,21 @@ def committed_path(path: str) -> str:
     return path if Path(path).exists() else str(Path(workflow.basedir) / path)
 
 
+# The runs the simulator reads: their simulator.yaml files and the files those name (results/README.md).
+try:
+    SIMULATOR_INPUTS = discover() if CFG.simulate is not None else None
+except SimulateError as err:
+    raise WorkflowError(f"simulator inputs: {err}") from None
+
+
 def simulate_inputs(wildcards) -> list[str]:
-    """Measured files the simulator reads; relative paths are committed results of the repository."""
-    if CFG.simulate is None:
-        return []
-    named = CFG.simulate.input_files()          # $folder expanded, row selectors dropped
-    return [committed_path(p) for p in named if p]
+    """Every file the simulator reads, the simulator.yaml files included; relative paths are committed results."""
+    return [committed_path(p) for p in SIMULATOR_INPUTS.files()] if SIMULATOR_INPUTS is not None else []
 
 
-# The pre-registered check runs once its measured files are named (simulate.prediction_check.measured).
-PREDICTION_CHECK_PREDICTIONS, PREDICTION_CHECK_MEASURED = (
-    CFG.simulate.prediction_check_files() if CFG.simulate is not None else ("", []))
+# The pre-registered check runs once a simulator.yaml names measured sweeps under prediction_check.
+PREDICTION_CHECK_PREDICTIONS = (CFG.simulate.prediction_check or {}).get("predictions", "") if CFG.simulate else ""
+PREDICTION_CHECK_MEASURED = list(SIMULATOR_INPUTS.prediction_check) if SIMULATOR_INPUTS is not None else []
 
 
 def simulate_figures_dir(wildcards, output) -> str:
