@@ -1,6 +1,6 @@
 """The all-to-all table shipped with the package (`occult/sim/data/alltoall_2xh200.csv`).
 
-The simulator's link curve where `simulate.alltoall_csv` is not set, and the GPU report's NCCL
+The simulator's link curve where no simulator.yaml names an `alltoall` file, and the GPU report's NCCL
 curve where a machine has no measured one. The file's first line says where it was measured.
 """
 

@@ -1,6 +1,6 @@
 """Print the rate at which decode-sized Occult expert calls stream their weights, per shape.
 
-The simulator fits the same rate itself from `simulate.kernel_stream_csv`
+The simulator fits the same rate itself from the `kernel_stream` file a simulator.yaml names
 (`occult.sim.measured.fit_weight_streaming`: time = intercept + active experts' weight bytes / rate over
 the `occult-compute-graph` uniform rows of at most `--max-tokens` tokens) and uses the median over
 shapes. Usage:
