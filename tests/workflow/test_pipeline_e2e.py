@@ -48,7 +48,9 @@ def test_micro_pipeline_end_to_end(tmp_path):
 @pytest.mark.slow
 def test_quality_grid_runs_through_the_dag(tmp_path):
     """finetune.quality_grid: the DAG fine-tunes and scores every arm of quality_arms (the D=4 grid,
-    the gate ablation, full fine-tuning) in two jobs and summarises them as a committed GPU run is."""
+    the gate ablation, full fine-tuning) in two jobs and summarises them as a committed GPU run is;
+    the routing sample kept beside a GPU run's results comes from the same profile; the arms
+    split over two evaluation processes (--shard, one per GPU) are scored once each."""
     import json
 
     import yaml
@@ -58,9 +60,9 @@ def test_quality_grid_runs_through_the_dag(tmp_path):
 
     grid = tmp_path / "grid.yaml"
     grid.write_text(yaml.safe_dump({"finetune": {"quality_grid": True}}))
-    target = "results/micro/quality/tables/accuracy.csv"
+    targets = ["results/micro/quality/tables/accuracy.csv", "results/micro/profile/routing_heldout_sample.npz"]
     cmd = [SNAKEMAKE, "-s", str(REPO / "Snakefile"), "--directory", str(tmp_path), "--cores", "2", "--configfile",
-           str(REPO / "config" / "config.yaml"), str(REPO / "tests" / "data" / "micro.yaml"), str(grid), "--", target]
+           str(REPO / "config" / "config.yaml"), str(REPO / "tests" / "data" / "micro.yaml"), str(grid), "--", *targets]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -76,3 +78,18 @@ def test_quality_grid_runs_through_the_dag(tmp_path):
     assert {v["claim"] for v in verdicts} >= {"pruning within 1 device hurts",
                                                "gate weights renormalised after pruning against kept as they are"}
     assert (tmp_path / "figures" / "micro" / "quality" / "accuracy.png").stat().st_size > 1000
+    from occult.routing.profiling import load_routing
+
+    sample = load_routing(tmp_path / "results" / "micro" / "profile" / "routing_heldout_sample.npz")
+    assert sample.ids.shape[1] == load_routing(tmp_path / "work" / "micro" / "profile" / "routing_heldout.npz").ids.shape[1]
+
+    work, scored = tmp_path / "work" / "micro", tmp_path / "sharded"
+    for shard in ("0/2", "1/2"):
+        run = subprocess.run([sys.executable, "-m", "occult.stages.evaluate", "--config", str(work / "config.yaml"),
+                              "--model", str(work / "model" / "base"), "--arms", str(work / "quality" / "finetune"),
+                              "--data", str(work / "data"), "--profile", str(work / "profile"),
+                              "--placements", str(tmp_path / "results" / "micro" / "placement"), "--out", str(scored),
+                              "--shard", shard], capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert len(list(scored.glob("*.json"))) == (len(arms) + 1) // 2 if shard == "0/2" else len(arms)
+    assert sorted(p.stem for p in scored.glob("*.json")) == sorted(arms)
