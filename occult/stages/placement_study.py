@@ -103,7 +103,7 @@ class RoutingSplits:
 
 def as_splits(name: str, value: RoutingSplits | tuple[np.ndarray, np.ndarray]) -> RoutingSplits:
     """A `RoutingSplits` from one, or from a (calibration, held-out) pair (E = largest id + 1)."""
-    if isinstance(value, RoutingSplits):
+    if hasattr(value, "calib_LNK"):          # a RoutingSplits (also of this module run as __main__)
         splits = value
     else:
         try:
