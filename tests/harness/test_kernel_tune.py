@@ -81,6 +81,7 @@ def test_a_config_that_changes_the_result_is_marked_wrong(monkeypatch):
     assert rows[1]["BLOCK_M"] == 16 and rows[0]["config"] == "autotuned"
 
 
+@pytest.mark.slow
 def test_smoke_sweep_writes_checked_rows_for_every_kernel(tmp_path):
     out = tmp_path / "tune" / "tune.csv"
     assert tune_kernels.main(["--smoke", "--out", str(out), "--max-configs", "6"]) == 0

@@ -34,6 +34,7 @@ def run_cli(tmp_path: Path, world: int, *extra: str) -> pd.DataFrame:
     return pd.read_csv(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_cli_smoke_writes_every_row_with_the_expected_columns(tmp_path, world):
     methods = CLI_METHODS + (["hf"] if world == 2 else [])
@@ -187,6 +188,7 @@ def test_each_method_is_measured_after_the_previous_ones_are_freed(tmp_path, mon
     assert all(not alive for _, alive in measured), measured
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [4, 8])
 def test_sweep_runs_at_the_4_and_8_gpu_degrees_on_cpu_ranks(tmp_path, world):
     """Issue 8's run needs D = 4 and 8: the harness and every Occult variant work at those D on gloo."""
