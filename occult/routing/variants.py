@@ -157,6 +157,16 @@ def arms_before_deadline(arms, deadline: float | None, missing: list[str]):
         yield arm
 
 
+def write_arms_done(path: Path, arms: list, where: Path, stage: str) -> None:
+    """The record a finished grid stage leaves for the workflow (its declared output): the arms and
+    the folder holding them. The arms themselves are saved one by one outside the declared outputs,
+    so that a job cut off and started again keeps the finished ones."""
+    from occult.provenance import provenance, write_json
+
+    write_json(path, {"stage": stage, "arms": [arm.name for arm in arms], "folder": str(where),
+                      "provenance": provenance(None, None, stage=stage)})
+
+
 PROCESSES_PER_GPU_ENV = "OCCULT_PROCESSES_PER_GPU"
 
 

@@ -325,7 +325,7 @@ def evaluate_arms(cfg: Config, arms: list, base_model_dir: Path, arms_root: Path
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m occult.stages.evaluate --config C --model BASE --arms ROOT --data D --profile P
-    --placements DIR --out DIR [--time-limit S] [--limit N]`: every arm of the quality study.
+    --placements DIR --out DIR [--time-limit S] [--limit N] [--done JSON]`: every arm of the quality study.
     `python -m occult.stages.evaluate --summarise RESULTS --figures DIR`: its tables, verdicts and figure.
     `python -m occult.stages.evaluate --replicates SPEC_YAML --out CSV`: two runs of the same recipe compared."""
     import argparse
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from occult.config import load_config
-    from occult.routing.variants import cap_gpu_memory_share, parse_shard, quality_arms
+    from occult.routing.variants import cap_gpu_memory_share, parse_shard, quality_arms, write_arms_done
 
     parser = argparse.ArgumentParser(prog="python -m occult.stages.evaluate", description=main.__doc__)
     for flag in ("--config", "--model", "--arms", "--data", "--profile", "--placements", "--out"):
@@ -370,17 +370,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS)
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="K/N",
                         help="only the arms at positions K, K+N, ... (e.g. one process per GPU)")
+    parser.add_argument("--done", metavar="JSON", help="once every arm is scored, record them here (the workflow's output)")
     parser.add_argument("--log-json", metavar="PATH", help=log_json_help)
     args = parser.parse_args(argv)
+    if args.done and args.shard != (0, 1):
+        parser.error("--done records every arm: run without --shard")
     cap_gpu_memory_share()
     cfg = load_config(args.config)
-    missing = evaluate_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.arms), Path(args.data),
+    arms = quality_arms(cfg)
+    missing = evaluate_arms(cfg, arms, Path(args.model), Path(args.arms), Path(args.data),
                             Path(args.profile), Path(args.placements), Path(args.out), args.time_limit,
                             args.limit, args.batch_tokens, args.shard)
     if missing:
         print(f"evaluate: time limit reached; {len(missing)} arms left ({', '.join(missing)}); run again",
               file=sys.stderr)
         return 3
+    if args.done:
+        write_arms_done(Path(args.done), arms, Path(args.out), "evaluate_arms")
     return 0
 
 

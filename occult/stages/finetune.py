@@ -137,11 +137,12 @@ def train_variant(model, tokenizer, cfg: Config, variant: Variant, ids: torch.Te
 
 
 def save_variant(model, tokenizer, meta: dict, out_dir: Path, log_csv: Path, rows: list[dict]) -> None:
+    """The loss log, then the checkpoint (renamed into place last: an arm whose folder exists is done)."""
+    write_csv(log_csv, pd.DataFrame(rows, columns=["step", "loss", "lr", "elapsed_s"]), meta)
     with atomic_path(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "occult_variant.json").write_text(json.dumps(meta, indent=2, default=str))
-    write_csv(log_csv, pd.DataFrame(rows, columns=["step", "loss", "lr", "elapsed_s"]), meta)
 
 
 def variant_meta(cfg: Config, variant: Variant, **extra) -> dict:
@@ -220,11 +221,11 @@ def finetune_arms(cfg: Config, arms: list, model_dir: Path, data_dir: Path, prof
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m occult.stages.finetune --config C --model M --data D --profile P --placements DIR
-    --out ROOT --logs LOGDIR [--time-limit S]`: every arm of the quality study."""
+    --out ROOT --logs LOGDIR [--time-limit S] [--done JSON]`: every arm of the quality study."""
     import argparse
 
     from occult.config import load_config
-    from occult.routing.variants import parse_shard, quality_arms
+    from occult.routing.variants import parse_shard, quality_arms, write_arms_done
 
     parser = argparse.ArgumentParser(prog="python -m occult.stages.finetune", description=main.__doc__)
     for flag in ("--config", "--model", "--data", "--profile", "--placements", "--out", "--logs"):
@@ -233,19 +234,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=parse_shard, default=(0, 1), metavar="K/N",
                         help="only the arms at positions K, K+N, ... (e.g. one process per GPU)")
     parser.add_argument("--step-trace", metavar="JSON", help="shard 0: profile 5 steps of its first arm here")
+    parser.add_argument("--done", metavar="JSON", help="once every arm is saved, record them here (the workflow's output)")
     parser.add_argument("--log-json", metavar="PATH",
                         help=f"append JSON-lines logs here (default: ${ENV_LOG_JSON}); read by the entry point")
     args = parser.parse_args(argv)
+    if args.done and args.shard != (0, 1):
+        parser.error("--done records every arm: run without --shard")
     # no allocator cap here (evaluation has one): fine-tuning peaks at 34.5-39 GiB per process, so three
     # fit an H200 uncapped (quality_upcycle_v3), while a third of it failed two full-module arms (v4)
     cfg = load_config(args.config)
-    missing = finetune_arms(cfg, quality_arms(cfg), Path(args.model), Path(args.data), Path(args.profile),
+    arms = quality_arms(cfg)
+    missing = finetune_arms(cfg, arms, Path(args.model), Path(args.data), Path(args.profile),
                             Path(args.placements), Path(args.out), Path(args.logs), args.time_limit, args.shard,
                             Path(args.step_trace) if args.step_trace else None)
     if missing:
         print(f"finetune: time limit reached; {len(missing)} arms left ({', '.join(missing)}); run again",
               file=sys.stderr)
         return 3
+    if args.done:
+        write_arms_done(Path(args.done), [a for a in arms if parse_variant(a.variant).trains], Path(args.out),
+                        "finetune_arms")
     return 0
 
 

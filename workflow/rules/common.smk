@@ -218,6 +218,7 @@ def final_outputs() -> list[str]:
         f"{RESULTS}/placement/study.csv",
         *[f"{RESULTS}/placement/latency_{t}.csv" for t in ("tradeoff", "replicas", "summary")],
         f"{FIGURES}/placement_latency.png",
+        f"{RESULTS}/placement/inheritance.csv",
         *[f"{RESULTS}/finetune/{v}_log.csv" for v in VARIANTS if v != "raw"],
         *[f"{RESULTS}/evaluate/{v}.json" for v in VARIANTS],
         *([f"{RESULTS}/quality/tables/accuracy.csv", f"{FIGURES}/quality/accuracy.png"] if CFG.finetune.quality_grid else []),

@@ -101,28 +101,31 @@ rule quality_replicates:
         " --log-json {log.json} > {log.text} 2>&1"
 
 
-# lm-eval on every arm of the quality grid (rule finetune_quality_arms), then its tables, verdicts
-# and figure, laid out as for a committed GPU run (rule plot_quality).
+# lm-eval on every arm of the quality grid (rule finetune_quality_arms; {grid} as there), then its
+# tables, verdicts and figure, laid out as for a committed GPU run (rule plot_quality). Each arm's
+# scores are saved under results/<run>/<grid>/evaluate as it finishes and skipped when the job runs
+# again; the declared output, written once all are scored, lists them.
 rule evaluate_quality_arms:
     input:
-        arms=rules.finetune_quality_arms.output.arms,
-        model=f"{WORK}/model/base",
-        manifest=rules.build_data.output.manifest,
-        profile=rules.profile_coactivation.output.profile,
-        placements=PLACEMENT_FILES,
+        unpack(grid_inputs),
+        arms=rules.finetune_quality_arms.output.done,
     output:
-        scores=directory(f"{RESULTS}/quality/evaluate"),
+        done=f"{RESULTS}/{{grid}}/evaluated.json",
     params:
-        config=RESOLVED_CONFIG,
-        settings=settings("evaluate", "finetune", "data"),
+        config=grid_config,
+        settings=grid_settings("evaluate", "finetune", "data"),
         data=data_dir,
         profile=profile_dir,
         placements=placement_dir,
+        arms=f"{WORK}/{{grid}}/finetune",
+        scores=f"{RESULTS}/{{grid}}/evaluate",
     log:
-        text=f"logs/evaluate_quality_arms/{RUN}.log",
-        json=f"logs/evaluate_quality_arms/{RUN}.jsonl",
+        text=f"logs/evaluate_quality_arms/{RUN}/{{grid}}.log",
+        json=f"logs/evaluate_quality_arms/{RUN}/{{grid}}.jsonl",
     benchmark:
-        f"benchmarks/evaluate_quality_arms/{RUN}.tsv"
+        f"benchmarks/evaluate_quality_arms/{RUN}/{{grid}}.tsv"
+    wildcard_constraints:
+        grid=GRID_PATTERN,
     conda:
         "../../environment.yml"
     threads: 2
@@ -132,28 +135,30 @@ rule evaluate_quality_arms:
         gpus=0,             # the gpu and slurm profiles give it one
     shell:
         "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
-        " python -m occult.stages.evaluate --config {params.config} --model {input.model} --arms {input.arms}"
+        " python -m occult.stages.evaluate --config {params.config} --model {input.model} --arms {params.arms}"
         " --data {params.data} --profile {params.profile} --placements {params.placements}"
-        " --out {output.scores} --log-json {log.json} 2>&1 | tee {log.text}"
+        " --out {params.scores} --done {output.done} --log-json {log.json} 2>&1 | tee {log.text}"
 
 
 rule summarise_quality_arms:
     input:
-        scores=rules.evaluate_quality_arms.output.scores,
+        scores=rules.evaluate_quality_arms.output.done,
     output:
         accuracy=report(
-            f"{RESULTS}/quality/tables/accuracy.csv", category="Quality study", caption="../report/accuracy.rst"
+            f"{RESULTS}/{{grid}}/tables/accuracy.csv", category="Quality study", caption="../report/accuracy.rst"
         ),
-        verdicts=f"{RESULTS}/quality/tables/verdicts.json",
-        figure=report(f"{FIGURES}/quality/accuracy.png", category="Quality study", caption="../report/accuracy.rst"),
+        verdicts=f"{RESULTS}/{{grid}}/tables/verdicts.json",
+        figure=report(f"{FIGURES}/{{grid}}/accuracy.png", category="Quality study", caption="../report/accuracy.rst"),
     params:
-        run_dir=f"{RESULTS}/quality",
-        figures=f"{FIGURES}/quality",
+        run_dir=f"{RESULTS}/{{grid}}",
+        figures=f"{FIGURES}/{{grid}}",
     log:
-        text=f"logs/summarise_quality_arms/{RUN}.log",
-        json=f"logs/summarise_quality_arms/{RUN}.jsonl",
+        text=f"logs/summarise_quality_arms/{RUN}/{{grid}}.log",
+        json=f"logs/summarise_quality_arms/{RUN}/{{grid}}.jsonl",
     benchmark:
-        f"benchmarks/summarise_quality_arms/{RUN}.tsv"
+        f"benchmarks/summarise_quality_arms/{RUN}/{{grid}}.tsv"
+    wildcard_constraints:
+        grid=GRID_PATTERN,
     conda:
         "../../environment.yml"
     threads: 1

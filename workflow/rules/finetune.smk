@@ -34,29 +34,32 @@ rule finetune_variant:
 
 
 # The quality study's whole grid (occult.routing.variants.quality_arms: every D of the study, the gate
-# ablation, full fine-tuning) where finetune.quality_grid is set (presets mini and upcycle): every
-# arm in one job, data encoded once and arms already saved skipped (docs/quality.md; on a GPU
-# machine: docs/deploy.md).
+# ablation, full fine-tuning; finetune.quality_arms: core keeps D = finetune.devices) where
+# finetune.quality_grid is set (presets mini, upcycle, upcycle-drop): every arm in one job, data encoded
+# once. {grid} is `quality` (the run's own model) or `bases/s<seed>` (a base model of
+# workflow/rules/quality_grid.smk). Each arm is saved under work/<run>/<grid>/finetune as it finishes
+# and skipped when the job runs again; the declared output, written once all are saved, lists them
+# (docs/quality.md; on a GPU machine: docs/deploy.md).
 rule finetune_quality_arms:
     input:
-        model=f"{WORK}/model/base",
-        manifest=rules.build_data.output.manifest,
-        profile=rules.profile_coactivation.output.profile,
-        placements=PLACEMENT_FILES,
+        unpack(grid_inputs),
     output:
-        arms=directory(f"{WORK}/quality/finetune"),
-        logs=directory(f"{RESULTS}/quality/finetune"),
+        done=f"{WORK}/{{grid}}/finetuned.json",
     params:
-        config=RESOLVED_CONFIG,
-        settings=settings("finetune", "seed"),
+        config=grid_config,
+        settings=grid_settings("finetune", "seed"),
         data=data_dir,
         profile=profile_dir,
         placements=placement_dir,
+        arms=f"{WORK}/{{grid}}/finetune",
+        logs=f"{RESULTS}/{{grid}}/finetune",
     log:
-        text=f"logs/finetune_quality_arms/{RUN}.log",
-        json=f"logs/finetune_quality_arms/{RUN}.jsonl",
+        text=f"logs/finetune_quality_arms/{RUN}/{{grid}}.log",
+        json=f"logs/finetune_quality_arms/{RUN}/{{grid}}.jsonl",
     benchmark:
-        f"benchmarks/finetune_quality_arms/{RUN}.tsv"
+        f"benchmarks/finetune_quality_arms/{RUN}/{{grid}}.tsv"
+    wildcard_constraints:
+        grid=GRID_PATTERN,
     conda:
         "../../environment.yml"
     threads: 2
@@ -67,5 +70,5 @@ rule finetune_quality_arms:
     shell:
         "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
         " python -m occult.stages.finetune --config {params.config} --model {input.model} --data {params.data}"
-        " --profile {params.profile} --placements {params.placements} --out {output.arms}"
-        " --logs {output.logs} --log-json {log.json} 2>&1 | tee {log.text}"
+        " --profile {params.profile} --placements {params.placements} --out {params.arms}"
+        " --logs {params.logs} --done {output.done} --log-json {log.json} 2>&1 | tee {log.text}"
