@@ -305,3 +305,31 @@ def test_bad_drop_settings_fail_with_their_field(tmp_path):
         load_config(repo / "config" / "config.yaml", overrides={"model": {"upcycle_init": "drop"}})
     cfg = _upcycle_config(tmp_path / "m.gguf", upcycle_init="drop", drop_ratio=0.25)
     assert (cfg.model.upcycle_init, cfg.model.drop_ratio) == ("drop", 0.25)
+
+
+def test_pretrain_continues_a_drop_upcycled_model_until_its_target(tmp_path):
+    """The pipeline's path for the drop family: upcycled with `drop` from the base model's own seed,
+    pre-trained until the held-out perplexity target, saved with its initialisation recorded."""
+    import json
+
+    from occult.config import load_config, merge
+    from occult.models.moe import load_checkpoint
+    from occult.routing.inheritance import group_map_of_model
+    from occult.stages.pretrain import pretrain
+    from tests.models.test_moe import write_standin_data
+
+    data_dir = write_standin_data(tmp_path / "data")
+    from transformers import AutoTokenizer
+    ref = _reference_llama(True)
+    ref.resize_token_embeddings(len(AutoTokenizer.from_pretrained(data_dir / "tokenizer")))
+    _to_gguf(ref, tmp_path / "m.gguf")
+    cfg = _upcycle_config(tmp_path / "m.gguf", steps=12, upcycle_init="drop", drop_ratio=0.5)
+    cfg = load_config(merge(cfg.raw, {"pretrain": {"seed": 4, "eval_every": 2, "target_heldout_ppl": 1e9}}))
+    out = tmp_path / "out"
+    pretrain(cfg, data_dir, out / "model", out / "log.csv", out / "structure.json")
+    structure = json.loads((out / "structure.json").read_text())
+    assert structure["train"]["steps"] == 2 and structure["train"]["reached_target"]       # any perplexity will do
+    model, _ = load_checkpoint(out / "model")
+    record = model.config.occult_upcycle
+    assert (record["init"], record["drop_ratio"], record["seed"]) == ("drop", 0.5, 4)
+    assert group_map_of_model(model.config.to_dict())[1] == "reference"
