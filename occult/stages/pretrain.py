@@ -256,6 +256,22 @@ def routing_structure(ids_LNK: np.ndarray, layers: list[int], num_experts: int, 
     return out
 
 
+def inheritance_summary(model: nn.Module, windows: TokenWindows) -> dict[str, Any] | None:
+    """Layer-mean group inheritance (`occult.routing.inheritance`) of `model`'s routing on `windows`
+    against its virtual-group map; None where E is not a multiple of k (no such map)."""
+    from occult.routing.inheritance import group_inheritance, group_map_of_model
+
+    try:
+        group_of_expert, basis = group_map_of_model(model.config.to_dict())
+    except ValueError:
+        return None
+    routed = route_windows(model, windows, logit_stats=False, desc="inheritance")
+    mean = group_inheritance(routed.ids_LNK, group_of_expert, routed.layers.tolist(), basis).iloc[-1]
+    keys = ("basis", "groups_spanned", "groups_spanned_random", "main_group_share", "main_group_share_random",
+            "main_group_share_load_null", "inheritance_index")
+    return {k: mean[k] if k == "basis" else float(mean[k]) for k in keys}
+
+
 # --------------------------------------------------------------------------- the stage
 
 
@@ -542,7 +558,9 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
     world, rank = data_parallel_rank()
     model.to(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu")
     # (CPU results are unchanged by this line; under torchrun the current device is the rank's GPU)
-    initial_ppl = None
+    initial_ppl, initial_inheritance = None, None
+    if rank == 0:
+        initial_inheritance = inheritance_summary(model, heldout)
     if cfg.model.source == "upcycle" and rank == 0:     # virtual groups: the dense model's (exact at init)
         nll, count = heldout_nll(model, heldout)
         initial_ppl = math.exp(nll / count)
@@ -597,6 +615,9 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
                                         "random balanced placements (observed routing)",
             "null_ct_best_random_placement": "the same for the null routing",
             "unigram_ppl": "held-out perplexity of add-one-smoothed train-split unigram frequencies",
+            "inheritance": "before and after training: layer means of occult.routing.inheritance against the "
+                           "virtual-group map (expert j in group j mod E/k; basis inherited for virtual-group "
+                           "upcycling, reference otherwise)",
             "unigram_entropy_bits": "log2(unigram_ppl): held-out cross-entropy of that unigram model",
         },
         "heldout_tokens": heldout.tokens,
@@ -607,6 +628,8 @@ def pretrain(cfg: Config, data_dir: Path, out_dir: Path, log_csv: Path, structur
         "heldout_bits_per_token": math.log2(final_ppl),
         "unigram_entropy_bits": math.log2(baseline_ppl),
         "devices": cfg.finetune.devices,
+        # layer means of occult.routing.inheritance on the held-out windows (null: no virtual-group map)
+        "inheritance": {"before_training": initial_inheritance, "after_training": inheritance_summary(model, heldout)},
         "layers": per_layer,
         "mean": {k: float(np.mean([row[k] for row in per_layer])) for k in mean_keys},
         "train": train_summary,

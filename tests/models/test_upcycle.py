@@ -141,6 +141,8 @@ def test_config_checks_the_gguf_sizes(tmp_path):
 
 
 def test_pretrain_continues_from_the_upcycled_model(tmp_path):
+    import json
+
     from occult.models.moe import load_checkpoint
     from occult.stages.pretrain import pretrain
     from tests.models.test_moe import write_standin_data
@@ -158,6 +160,9 @@ def test_pretrain_continues_from_the_upcycled_model(tmp_path):
     assert model.config.model_type == "mixtral" and len(moe_layers(model)) == 2
     log = pd.read_csv(out / "log.csv", comment="#")
     assert len(log) == 6 and np.isfinite(log["train_loss"]).all()
+    inheritance = json.loads((out / "structure.json").read_text())["inheritance"]
+    assert inheritance["before_training"]["basis"] == "inherited"
+    assert inheritance["before_training"]["inheritance_index"] == 1.0      # every token in one whole group
     # a tokenizer of another size is refused with the field to fix
     ref.resize_token_embeddings(vocab + 8)
     _to_gguf(ref, tmp_path / "m.gguf")
@@ -329,6 +334,8 @@ def test_pretrain_continues_a_drop_upcycled_model_until_its_target(tmp_path):
     pretrain(cfg, data_dir, out / "model", out / "log.csv", out / "structure.json")
     structure = json.loads((out / "structure.json").read_text())
     assert structure["train"]["steps"] == 2 and structure["train"]["reached_target"]       # any perplexity will do
+    start = structure["inheritance"]["before_training"]
+    assert start["basis"] == "reference" and abs(start["inheritance_index"]) < 0.1
     model, _ = load_checkpoint(out / "model")
     record = model.config.occult_upcycle
     assert (record["init"], record["drop_ratio"], record["seed"]) == ("drop", 0.5, 4)

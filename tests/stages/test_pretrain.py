@@ -94,6 +94,9 @@ def test_pretrain_learns_and_writes_outputs(run):
         assert row["excess_pair_mi_bits"] == pytest.approx(row["pair_mi_bits"] - row["null_pair_mi_bits"])
         assert 1.0 <= row["ct_best_random_placement"] <= 2.0
     assert set(structure["mean"]) >= {"excess_pair_mi_bits", "ct_best_random_placement"}
+    for when in ("before_training", "after_training"):          # from scratch: a reference map, no groups inherited
+        assert structure["inheritance"][when]["basis"] == "reference"
+        assert 0 < structure["inheritance"][when]["main_group_share_random"] < 1
 
     model, tokenizer = load_checkpoint(outputs["model"])
     layers = moe_layers(model)
