@@ -65,19 +65,20 @@ def tradeoff_rows(trace: str, layer: str, num_devices: int, result: LatencyResul
 
 
 def replica_rows(trace: str, layer: str, calib_NK: np.ndarray, heldout_NK: np.ndarray, placed: np.ndarray,
-                 num_devices: int, cost: LayerCost, slots: Sequence[int], rounds: int) -> list[dict[str, Any]]:
+                 num_devices: int, cost: LayerCost, slots: Sequence[int], rounds: int,
+                 tokens: int | None = None) -> list[dict[str, Any]]:
     """The latency placement with R = 0 and each R in `slots` spare slots per device: copies of the
-    hottest experts, moved where that lowers the calibration split's predicted time
-    (`occult.routing.replicas`); E[C_T], load and predicted time on both splits."""
+    hottest experts, moved where that lowers the predicted time of the first `tokens` calibration
+    tokens (None: all; `occult.routing.replicas`); E[C_T], load and predicted time on both splits."""
     rows = []
+    sample_NK = calib_NK[:tokens]
     for slots_per_device in (0, *slots):
         begun = time.perf_counter()
-        replicated = add_replicas(calib_NK, placed, num_devices, slots_per_device)
+        replicated = add_replicas(sample_NK, placed, num_devices, slots_per_device)
         if slots_per_device:
-            replicated, calib = replica_search(calib_NK, replicated, cost, rounds)
-        else:
-            calib = predict_replicated(calib_NK, replicated, cost)
+            replicated = replica_search(sample_NK, replicated, cost, rounds)[0]
         seconds = time.perf_counter() - begun
+        calib = predict_replicated(calib_NK, replicated, cost)
         held = predict_replicated(heldout_NK, replicated, cost)
         rows.append({"trace": trace, "layer": layer, "D": num_devices, "method": "latency",
                      "slots_per_device": slots_per_device, "copies": len(replicated.copy_expert),

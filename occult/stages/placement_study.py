@@ -80,6 +80,7 @@ class SearchConfig:
     replica_slots: tuple[int, ...] = (1, 2)        # latency with R spare slots per device (R = 0 always)
     replica_devices: tuple[int, ...] = (2, 4, 8)   # the D with replica rows
     replica_rounds: int = 1   # passes of the copy moves
+    replica_tokens: int = 8192   # calibration tokens the copies are placed on (all are measured)
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,7 @@ def study_tables(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarr
                 if num_devices in search.replica_devices:
                     replicas += replica_rows(name, str(sp.layers[i]), calib_NK, heldout_NK,
                                              placer.latency.device_of_expert, num_devices, layer_cost,
-                                             search.replica_slots, search.replica_rounds)
+                                             search.replica_slots, search.replica_rounds, search.replica_tokens)
     frame = pd.DataFrame(rows)
     study = pd.concat([frame, _mean_rows(frame)], ignore_index=True)
     return StudyTables(study, pd.DataFrame(tradeoff), pd.DataFrame(replicas))
