@@ -12,13 +12,17 @@ Measures (a mapping with one key):
   `where` (column -> value or list of values); the median folds a run's replicate rows into one.
 - `ratio: [measure, measure]`: the first divided by the second.
 - `correlation: {file, where, x, y}`: Pearson's r of columns x and y over the matching rows.
-- `quality: {claim}`: the quality study's verdict on a claim of the paper for the run folder, by
-  `occult.stages.evaluate.claim_verdicts` (paired standard errors); the value is the claim's mean
-  accuracy difference in points, and the run bears the claim out when that verdict is "holds".
+- `pooled: {claim, expect, file}`: a quality claim pooled over base models, read from each run's
+  `file` (default `tables/verdicts_pooled.csv`, `occult.report.quality_pooled`) by
+  `occult.report.claims_pooled`: the deciding model family's row (`drop` before `virtual_groups`)
+  gives the value (`estimate_pp`), the spread (`±stderr_pp; between-base SD ... over B base
+  models`) and the verdict (`claims_pooled.claim_verdict`; `expect`, for a two-sided claim only, is
+  the outcome it predicts); the other families' rows go into the note. No `holds_if`, `spread` or
+  `reference`: the pooled verdict is the test.
 
-Verdicts: `reproduced` when every reading (each run, or each value of the spread column) passes the
-test, `refuted` when none does, `mixed` otherwise; `not measurable here` for a claim without runs,
-whose `unmeasured` text says why and which run would settle it.
+Verdicts of the other measures: `reproduced` when every reading (each run, or each value of the
+spread column) passes the test, `refuted` when none does, `mixed` otherwise; `not measurable here`
+for a claim without runs, whose `unmeasured` text says why and which run would settle it.
 
 CLI: `python -m occult.report.claims --spec SPEC --out CSV --figure PNG`.
 """
@@ -35,9 +39,11 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from occult.report.claims_pooled import POOLED_FILE, pooled_reading, read_table
+
 COLUMNS = ("claim", "paper_value", "our_value", "our_spread", "unit", "source_run", "source_file", "verdict", "note")
 VERDICTS = ("reproduced", "refuted", "mixed", "not measurable here")
-MEASURES = ("point", "ratio", "correlation", "quality")
+MEASURES = ("point", "ratio", "correlation", "pooled")
 CLAIM_FIELDS = {"id", "claim", "unit", "paper", "latest", "earlier", "measure", "holds_if", "reference", "spread",
                 "note", "unmeasured"}
 
@@ -48,12 +54,10 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class Reading:
-    """One number read from one run, the files it came from, and (quality measures) whether it passes."""
+    """One number read from one run and the files it came from."""
 
     value: float
     files: tuple[str, ...]
-    passed: bool | None = None
-    verdict: str = ""
 
 
 @dataclass(frozen=True)
@@ -135,10 +139,13 @@ def _claim(entry: Any, where: str) -> Claim:
         if not isinstance(latest, str):
             raise SpecError(f"{where}: field 'latest' must be a run folder")
         _check_measure(entry.get("measure"), f"{where}: field 'measure'")
-        is_quality = "quality" in entry["measure"]
-        if is_quality and entry.get("holds_if") is not None:
-            raise SpecError(f"{where}: field 'holds_if' must be absent for a quality measure (its verdict is the test)")
-        if not is_quality:
+        is_pooled = "pooled" in entry["measure"]
+        if is_pooled:
+            for name in ("holds_if", "spread", "reference"):
+                if entry.get(name) is not None:
+                    raise SpecError(f"{where}: field '{name}' must be absent for a pooled measure "
+                                    "(its verdict is the test)")
+        else:
             _check_test(entry.get("holds_if"), f"{where}: field 'holds_if'", entry.get("reference") is not None)
         if entry.get("reference") is not None:
             ref = entry["reference"]
@@ -167,13 +174,19 @@ def _check_measure(measure: Any, where: str) -> None:
             raise SpecError(f"{where}.ratio: must be a list of two measures")
         for i, part in enumerate(body):
             _check_measure(part, f"{where}.ratio[{i}]")
-            if "quality" in part:
-                raise SpecError(f"{where}.ratio[{i}]: a quality measure cannot be part of a ratio")
+            if "pooled" in part:
+                raise SpecError(f"{where}.ratio[{i}]: a pooled measure cannot be part of a ratio")
         return
-    needed = {"point": ("file", "column"), "correlation": ("file", "x", "y"), "quality": ("claim",)}[kind]
+    needed = {"point": ("file", "column"), "correlation": ("file", "x", "y"), "pooled": ("claim",)}[kind]
     if not isinstance(body, dict) or any(not isinstance(body.get(k), str) for k in needed):
         raise SpecError(f"{where}.{kind}: needs string field(s) {list(needed)}")
-    if kind != "quality" and not isinstance(body.get("where", {}), dict):
+    if kind == "pooled":
+        unknown = set(body) - {"claim", "expect", "file"}
+        if unknown:
+            raise SpecError(f"{where}.pooled: unknown field(s) {sorted(unknown)}; expected claim, expect, file")
+        if any(body.get(k) is not None and not isinstance(body[k], str) for k in ("expect", "file")):
+            raise SpecError(f"{where}.pooled: 'expect' and 'file' must be strings")
+    elif not isinstance(body.get("where", {}), dict):
         raise SpecError(f"{where}.{kind}.where: must be a mapping of column -> value(s)")
 
 
@@ -192,13 +205,12 @@ def _check_test(test: Any, where: str, has_reference: bool) -> None:
 
 
 def measure_files(measure: dict, run: str) -> list[str]:
-    """The files a measure reads in `run` (a quality measure: the run's evaluation JSONs)."""
+    """The files a measure reads in `run`."""
     kind, body = next(iter(measure.items()))
     if kind == "ratio":
         return [f for part in body for f in measure_files(part, run)]
-    if kind == "quality":
-        found = sorted(str(p) for p in (Path(run) / "evaluate").glob("*.json"))
-        return found or [str(Path(run) / "evaluate")]
+    if kind == "pooled":
+        return [str(Path(run) / body.get("file", POOLED_FILE))]
     return [str(Path(run) / body["file"])]
 
 
@@ -245,20 +257,7 @@ def _override(measure: dict, where: dict) -> dict:
     kind, body = next(iter(measure.items()))
     if kind == "ratio":
         return {"ratio": [_override(part, where) for part in body]}
-    if kind == "quality":
-        return measure
     return {kind: {**body, "where": {**body.get("where", {}), **where}}}
-
-
-@functools.lru_cache(maxsize=None)
-def _quality_verdicts(run: str) -> dict[str, dict]:
-    from occult.stages.evaluate import arms_accuracy_table, claim_verdicts, load_per_doc
-
-    eval_dir = Path(run) / "evaluate"
-    if not eval_dir.is_dir():
-        raise FileNotFoundError(f"{eval_dir}: the run's evaluations are missing")
-    verdicts = claim_verdicts(arms_accuracy_table(eval_dir), load_per_doc(eval_dir))
-    return {v["claim"]: v for v in verdicts}
 
 
 def read(measure: dict, run: str) -> Reading:
@@ -269,17 +268,8 @@ def read(measure: dict, run: str) -> Reading:
         if bottom.value == 0:
             raise ValueError(f"{', '.join(bottom.files)}: the ratio's denominator is 0")
         return Reading(top.value / bottom.value, top.files + bottom.files)
-    if kind == "quality":
-        verdicts = _quality_verdicts(run)
-        if body["claim"] not in verdicts:
-            raise ValueError(f"{run}/evaluate: no quality claim {body['claim']!r}; known: {sorted(verdicts)}")
-        verdict = verdicts[body["claim"]]
-        diffs = [d["diff"] for d in verdict["comparisons"]]
-        if not diffs:
-            raise ValueError(f"{run}/evaluate: the arms of claim {body['claim']!r} were not scored")
-        mean = verdict.get("mean_diff", sum(diffs) / len(diffs))
-        return Reading(100.0 * mean, (str(Path(run) / "evaluate" / "*.json"),), verdict["verdict"] == "holds",
-                       verdict["verdict"])
+    if kind == "pooled":
+        raise ValueError(f"{run}: a pooled measure is read whole by evaluate_pooled, not as one reading")
     path = str(Path(run) / body["file"])
     rows = _matching(path, body.get("where", {}))
     if kind == "point":
@@ -322,8 +312,6 @@ def _reference(claim: Claim, run: str) -> float | None:
 
 
 def _passes(claim: Claim, reading: Reading, reference: float | None) -> bool:
-    if reading.passed is not None:
-        return reading.passed
     (side, bound), = claim.holds_if.items()
     bound = reference if bound == "reference" else float(bound)
     return reading.value > bound if side == "above" else reading.value < bound
@@ -341,9 +329,11 @@ def evaluate(claim: Claim) -> Row:
     if not claim.latest:
         row.values.update(verdict="not measurable here", note=_join(claim.note, claim.unmeasured))
         return row
+    if "pooled" in claim.measure:
+        return evaluate_pooled(claim, row)
     headline = read(claim.measure, claim.latest)
     row.values.update(our_value=headline.value, source_file="; ".join(dict.fromkeys(headline.files)))
-    passes, readings, reference_texts, verdict_texts = [], [], [], []
+    passes, readings, reference_texts = [], [], []
     for run in claim.runs:
         reference = _reference(claim, run)
         if reference is not None:
@@ -356,8 +346,6 @@ def evaluate(claim: Claim) -> Row:
         for reading in members:
             readings.append(reading.value)
             passes.append(_passes(claim, reading, reference))
-            if reading.verdict:
-                verdict_texts.append(f"{run}: {reading.verdict}")
         if run == claim.latest and claim.holds_if:
             bound = next(iter(claim.holds_if.values()))
             row.threshold = reference if bound == "reference" else float(bound)
@@ -369,7 +357,7 @@ def evaluate(claim: Claim) -> Row:
     row.values["our_spread"] = (f"[{_fmt(min(readings))}, {_fmt(max(readings))}] over {count} {what}"
                                 if len(readings) > 1 else "one run")
     row.values["verdict"] = ("reproduced" if all(passes) else "refuted" if not any(passes) else "mixed")
-    extra = [f"Verdicts: {'; '.join(verdict_texts)}"] if verdict_texts else []
+    extra = []
     if claim.reference:
         label = claim.reference["label"]
         extra.append(f"{label[:1].upper()}{label[1:]}: {', '.join(reference_texts)}")
@@ -377,6 +365,27 @@ def evaluate(claim: Claim) -> Row:
         extra.append(f"{sum(passes)} of {len(passes)} readings pass the test")
     row.values["note"] = _join(claim.note, *extra)
     return row
+
+
+def evaluate_pooled(claim: Claim, row: Row) -> Row:
+    """The row of a pooled quality claim (`occult.report.claims_pooled`): the deciding family's value,
+    spread and verdict; the figure's bar spans its interval estimate -/+ 2 standard errors."""
+    body = claim.measure["pooled"]
+    tables = []
+    for run in claim.runs:
+        (path,) = measure_files(claim.measure, run)
+        tables.append((run, path, _pooled_table(path)))
+    reading = pooled_reading(body["claim"], body.get("expect"), tables)
+    test = reading.test
+    row.values.update(our_value=test.estimate_pp, our_spread=test.spread, source_run=test.run, source_file=test.file,
+                      verdict=reading.verdict, note=_join(claim.note, reading.note))
+    row.readings = list(test.interval)
+    return row
+
+
+@functools.lru_cache(maxsize=None)
+def _pooled_table(path: str) -> pd.DataFrame:
+    return read_table(path)
 
 
 def _join(*parts: str) -> str:
@@ -395,7 +404,8 @@ VERDICT_COLORS = {"reproduced": "#2a9d3f", "refuted": "#c0392b", "mixed": "#e08e
 
 def plot_claims(rows: list[Row], path: Path) -> None:
     """One panel per unit: per claim, the paper's value (black diamond) beside ours (dot coloured by
-    the verdict, bar over the spread); a grey tick marks the test's bound where it is a number."""
+    the verdict, bar over the spread; pooled quality rows: over the estimate -/+ 2 standard errors);
+    a grey tick marks the test's bound where it is a number."""
     import matplotlib
 
     matplotlib.use("Agg")

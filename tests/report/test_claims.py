@@ -1,23 +1,25 @@
 """The paper-claims table on small hand-made result files: verdicts, spreads, references, the
-quality verdicts it takes from the quality study, and errors that name the spec field or the file."""
+quality rows it takes from the pooled verdicts (and which model family decides), and errors that
+name the spec field or the file."""
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
-from occult.report import claims
-from occult.routing.variants import Arm
+from occult.report import claims, claims_pooled
+from occult.report.quality_pooled import claims_at
+from occult.report.quality_pooled import verdict as pooled_verdict
 
 
 @pytest.fixture(autouse=True)
 def fresh_tables():
     claims._table.cache_clear()
-    claims._quality_verdicts.cache_clear()
+    claims._pooled_table.cache_clear()
     yield
 
 
@@ -141,39 +143,130 @@ def test_spec_errors_name_the_claim_and_the_field(tmp_path, change, field):
         claims.load_spec(write_spec(tmp_path / "spec.yaml", [{**claim("c", "runs/v1"), **change}]))
 
 
-def _summary(arm: Arm, correct: list[int]) -> dict:
-    bits = "".join(str(b) for b in correct)
-    acc = sum(correct) / len(correct)
-    return {"variant": arm.variant, "arm": arm.name,
-            "setting": {"devices": arm.devices, "gate_weights": arm.gate_weights, "train_modules": arm.train_modules},
-            "scores": [{"task": "piqa", "acc": acc, "acc_stderr": (acc * (1 - acc) / len(correct)) ** 0.5, "chance": 0.5}],
-            "per_doc": {"piqa": bits}}
+POOLED_HEADER = ["model_family", "claim", "estimate_pp", "stderr_pp", "between_base_sd_pp", "base_models", "verdict"]
 
 
-def write_quality_run(run: Path, pruned_right: int) -> None:
-    """raw and SFT right on 60 of 100 documents; both N_d=2 arms on `pruned_right` of them."""
-    (run / "evaluate").mkdir(parents=True)
-    sft = [1] * 60 + [0] * 40
-    pruned = [1] * pruned_right + [0] * (100 - pruned_right)
-    for arm, correct in ((Arm("raw", 4), sft), (Arm("sft", 4), sft), (Arm("prune2-router", 4), pruned),
-                         (Arm("prune2-sim", 4), pruned)):
-        (run / "evaluate" / f"{arm.name}.json").write_text(json.dumps(_summary(arm, correct)))
+def write_pooled(run: Path, rows: list[tuple]) -> Path:
+    """tables/verdicts_pooled.csv of `run`, one row per tuple in POOLED_HEADER's order."""
+    path = run / "tables" / "verdicts_pooled.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows, columns=POOLED_HEADER).to_csv(path, index=False)
+    return path
 
 
-def test_quality_claims_take_each_runs_verdict_from_the_quality_study(tmp_path):
-    holds, fails = tmp_path / "q2", tmp_path / "q1"
-    write_quality_run(holds, 59)            # one document fewer than SFT: within 2 paired errors
-    write_quality_run(fails, 40)            # 20 fewer: far outside
-    entry = {"id": "nd2", "claim": "N_d=2 near SFT", "unit": "points", "paper": {"source": "table 2"},
-             "measure": {"quality": {"claim": "pruning within 2 devices is about as good as standard fine-tuning"}}}
-    table = run_claims(tmp_path, [{**entry, "id": "one", "latest": str(holds)},
-                                  {**entry, "id": "two", "claim": "both", "latest": str(holds), "earlier": [str(fails)]}])
-    one, two = table.to_dict("records")
-    assert one["verdict"] == "reproduced" and one["our_value"] == pytest.approx(-1.0)
-    assert two["verdict"] == "mixed" and two["our_spread"] == "[-20, -1] over 2 runs"
-    assert f"{fails}: does not hold" in two["note"] and two["paper_value"] == ""
-    with pytest.raises(claims.SpecError, match="holds_if"):
-        claims.load_spec(write_spec(tmp_path / "bad.yaml", [{**entry, "latest": str(holds), "holds_if": {"above": 0}}]))
+NEAR = "N_d=2 near SFT (kept gates)"
+
+
+def pooled_claim(cid: str, latest: Path, earlier: list[Path] = (), **body) -> dict:
+    return {"id": cid, "claim": f"claim {cid}", "unit": "points", "paper": {"source": "table 2"},
+            "latest": str(latest), "earlier": [str(r) for r in earlier],
+            "measure": {"pooled": {"claim": NEAR, **body}}}
+
+
+@pytest.mark.parametrize("pooled, expect, ours", [
+    ("holds", None, "reproduced"),
+    ("holds (one base model)", None, "reproduced"),
+    ("does not hold", None, "refuted"),
+    ("does not hold (one base model)", None, "refuted"),
+    ("not settled", None, "not measurable here"),
+    ("mixed", None, "mixed"),
+    ("renormalised better", "renormalised", "reproduced"),
+    ("kept better (one base model)", "renormalised", "refuted"),
+    ("no difference beyond the margin", "renormalised", "refuted"),
+    ("no difference beyond the margin (one base model)", "no difference", "reproduced"),
+    ("kept better", "no difference", "refuted"),
+    ("not settled (one base model)", "no difference", "not measurable here"),
+])
+def test_pooled_verdicts_map_onto_the_claims_vocabulary(pooled, expect, ours):
+    assert claims_pooled.claim_verdict(pooled, expect) == ours
+
+
+@pytest.mark.parametrize("pooled, expect, message", [
+    ("holds", "kept", "one-sided"),
+    ("kept better", None, "two-sided"),
+    ("probably", None, "not one of"),
+])
+def test_a_verdict_outside_the_vocabulary_or_a_wrong_expect_is_an_error(pooled, expect, message):
+    with pytest.raises(ValueError, match=message):
+        claims_pooled.claim_verdict(pooled, expect)
+
+
+def test_every_verdict_quality_pooled_can_write_has_a_claims_verdict():
+    """Each claim of quality_pooled, on intervals on both sides of and across its bounds, with one
+    and with several base models: the verdict maps (two-sided claims with an `expect`)."""
+    seen = set()
+    for claim in claims_at(8):
+        expect = claim.labels[0] if claim.kind == "either" else None
+        for estimate in (-5.0, -1.0, 0.0, 0.5, 5.0):
+            for per_base in ([(estimate, 0.3)], [(estimate, 0.3), (estimate, 0.3)], [(3.0, 0.5), (-3.0, 0.5)]):
+                text = pooled_verdict(claim, estimate, 0.3, per_base)
+                seen.add(claims_pooled.claim_verdict(text, expect))
+    assert seen == set(claims.VERDICTS)
+
+
+def test_a_pooled_claim_takes_the_virtual_groups_row_and_marks_one_base_model_provisional(tmp_path):
+    run = tmp_path / "q4"
+    write_pooled(run, [("virtual_groups", NEAR, -0.25, 0.5, float("nan"), 1, "holds (one base model)"),
+                       ("virtual_groups", "SFT beats the raw model", 1.6, 0.35, 0.2, 2, "holds")])
+    sft = {**pooled_claim("sft", run), "measure": {"pooled": {"claim": "SFT beats the raw model"}}}
+    near, beats = run_claims(tmp_path, [pooled_claim("near", run), sft]).to_dict("records")
+    assert near["our_value"] == pytest.approx(-0.25) and near["verdict"] == "reproduced"
+    assert near["our_spread"] == "±0.5; one base model"
+    assert near["source_file"] == str(run / "tables" / "verdicts_pooled.csv") and near["source_run"] == str(run)
+    assert "Model family virtual_groups" in near["note"] and "Provisional: one base model" in near["note"]
+    assert beats["our_spread"] == "±0.35; between-base SD 0.2 over 2 base models"
+    assert "Provisional" not in beats["note"]
+
+
+def test_a_drop_row_decides_and_the_virtual_groups_row_becomes_context(tmp_path):
+    groups, drop, both = tmp_path / "q4", tmp_path / "drop_v1", tmp_path / "q5"
+    write_pooled(groups, [("virtual_groups", NEAR, -0.25, 0.5, float("nan"), 1, "holds (one base model)")])
+    write_pooled(drop, [("drop", NEAR, -2.5, 0.4, 0.3, 3, "does not hold")])
+    write_pooled(both, [("virtual_groups", NEAR, 0.1, 0.2, 0.1, 3, "holds"),
+                        ("drop", NEAR, -0.5, 0.6, float("nan"), 1, "not settled (one base model)")])
+    first, second = run_claims(tmp_path, [pooled_claim("a", groups, [drop]),
+                                          pooled_claim("b", both, [drop, groups])]).to_dict("records")
+    # a: the drop table is listed after the virtual_groups one and still decides
+    assert first["our_value"] == pytest.approx(-2.5) and first["verdict"] == "refuted"
+    assert first["source_run"] == str(drop) and first["our_spread"] == "±0.4; between-base SD 0.3 over 3 base models"
+    assert "Model family drop" in first["note"] and "Provisional" not in first["note"]
+    assert f"Context, virtual_groups family ({groups}): -0.25" in first["note"]
+    # b: one table with both families; each family's row comes from the first table that has it
+    assert second["our_value"] == pytest.approx(-0.5) and second["verdict"] == "not measurable here"
+    assert second["source_run"] == str(both) and "Provisional: one base model" in second["note"]
+    assert f"Context, virtual_groups family ({both}): +0.1" in second["note"]
+    assert str(groups) not in second["note"]
+    assert claims.spec_inputs(tmp_path / "spec.yaml")[:2] == [str(groups / "tables" / "verdicts_pooled.csv"),
+                                                              str(drop / "tables" / "verdicts_pooled.csv")]
+
+
+def test_pooled_tables_and_claims_that_do_not_fit_are_named(tmp_path):
+    run = tmp_path / "q4"
+    path = write_pooled(run, [("virtual_groups", "other claim", 0.0, 0.5, float("nan"), 1, "holds (one base model)")])
+    with pytest.raises(ValueError, match=rf"no pooled claim '{re.escape(NEAR)}'.*other claim"):
+        run_claims(tmp_path, [pooled_claim("a", run)])
+    pd.read_csv(path).drop(columns=["stderr_pp"]).to_csv(path, index=False)
+    claims._table.cache_clear()
+    claims._pooled_table.cache_clear()
+    with pytest.raises(ValueError, match=r"verdicts_pooled\.csv: not a pooled verdicts table.*stderr_pp"):
+        run_claims(tmp_path, [pooled_claim("a", run)])
+    for change, field in (({"holds_if": {"above": 0}}, "holds_if"), ({"spread": {"column": "claim"}}, "spread")):
+        with pytest.raises(claims.SpecError, match=rf"\(a\).*'{field}'"):
+            claims.load_spec(write_spec(tmp_path / "bad.yaml", [{**pooled_claim("a", run), **change}]))
+    with pytest.raises(claims.SpecError, match=r"\(a\).*pooled: unknown field.*'side'"):
+        claims.load_spec(write_spec(tmp_path / "bad.yaml", [pooled_claim("a", run, side="kept")]))
+
+
+def test_every_committed_pooled_table_is_read_by_the_claims_spec():
+    """A committed pooled table (a drop family's, say) changes the quality rows only once the spec
+    names its run: this fails until it does."""
+    root = Path(__file__).resolve().parents[2]
+    read = {str(root / f) for f in claims.spec_inputs(root / "results" / "paper" / "claims_spec.yaml")}
+    committed = [*root.glob("results/*/*/tables/verdicts_pooled.csv"),
+                 *root.glob("results/*/*/bases/verdicts_pooled.csv")]
+    assert committed, "no committed verdicts_pooled.csv"
+    missing = [str(p.relative_to(root)) for p in committed if str(p) not in read]
+    assert not missing, f"results/paper/claims_spec.yaml does not read {missing}: name their runs in the quality claims"
 
 
 def test_the_committed_spec_is_valid_and_names_committed_files():
