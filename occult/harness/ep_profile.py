@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import statistics
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from occult.logs import run_main
 
 
 def _time_ms(fn, repeats: int) -> float:
@@ -72,7 +75,7 @@ def _expert_only(tokens: int, world: int, E: int, k: int, D: int, F: int, repeat
             "fwd_tflops": flops / fwd_ms / 1e9, "fwd_bwd_tflops": 3 * flops / fwd_bwd_ms / 1e9}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")
     p = argparse.ArgumentParser(description=__doc__)
@@ -83,7 +86,8 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", type=Path, required=True)
-    args = p.parse_args()
+    p.add_argument("--log-json", help="JSON-lines log of this run (occult.logs)")
+    args = p.parse_args(argv)
 
     from occult.ep.layer import ep_moe
     from occult.ep.plan import contiguous_placement
@@ -174,4 +178,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main("ep_profile", main))

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 import triton
 from tqdm import tqdm
 
+from occult.logs import run_main
 from occult.provenance import atomic_path, git_commit, provenance, seed_everything, write_json
 
 from occult.kernels.combine import combine
@@ -425,6 +426,7 @@ def dense_peak(warmup_ms: int, rep_ms: int, size: int = 8192) -> dict[str, dict]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="long-format CSV (rows are appended)")
+    parser.add_argument("--log-json", help="JSON-lines log of this run (occult.logs)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU with TRITON_INTERPRET=1")
     add_workload_args(parser, routing_nargs="+", routing_default=["uniform", "skewed"])
     ops = ["grouped_swiglu", "grouped_down_reduce", "expert_ffn", "combine"]
@@ -531,4 +533,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("kernel_bench", main))

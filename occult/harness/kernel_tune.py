@@ -48,6 +48,7 @@ import pandas as pd
 import torch
 import triton
 
+from occult.logs import run_main
 from occult.provenance import atomic_path, git_commit, provenance, seed_everything, write_json
 
 from occult.harness.kernel_bench import (BenchShape, Workload, add_workload_args, build_workload, check_workload_args, rel_err,
@@ -270,6 +271,7 @@ def parse_config(text: str) -> dict[str, int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="long-format CSV (rows are appended)")
+    parser.add_argument("--log-json", help="JSON-lines log of this run (occult.logs)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and blocks; CPU with TRITON_INTERPRET=1")
     parser.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     add_workload_args(parser, routing_nargs=None, routing_default="uniform")
@@ -380,4 +382,4 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main("kernel_tune", main))

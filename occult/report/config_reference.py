@@ -152,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schema", type=Path, required=True)
     parser.add_argument("--defaults", type=Path, required=True, help="the embedded default config (config/config.yaml)")
     parser.add_argument("--out", type=Path, required=True, help="the page to write (docs/configuration.md)")
+    parser.add_argument("--log-json", help="JSON-lines log of this run (occult.logs)")
     args = parser.parse_args(argv)
     text = render(args.schema, args.defaults)
     with atomic_path(args.out) as tmp:
@@ -160,4 +161,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from occult.logs import run_main
+
+    raise SystemExit(run_main("config_reference", main))

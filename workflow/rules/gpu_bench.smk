@@ -106,6 +106,7 @@ rule profile_ep_layer:
         no_multicast=NO_MULTICAST,
     log:
         text="logs/profile_ep_layer/{machine}_{version}_T{tokens}_D{devices}.log",
+        json="logs/profile_ep_layer/{machine}_{version}_T{tokens}_D{devices}.jsonl",
     benchmark:
         "benchmarks/profile_ep_layer/{machine}_{version}_T{tokens}_D{devices}.tsv"
     wildcard_constraints:
@@ -123,7 +124,7 @@ rule profile_ep_layer:
     shell:
         "{params.no_multicast} python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
         " torchrun --nproc_per_node={wildcards.devices} -m occult.harness.ep_profile --tokens {wildcards.tokens}"
-        " --repeats 20 --out {output.tables} > {log.text} 2>&1"
+        " --repeats 20 --out {output.tables} --log-json {log.json} > {log.text} 2>&1"
 
 
 # The expert kernels (Triton with tensor-descriptor and pointer operands, torch._grouped_mm, the
@@ -134,6 +135,7 @@ rule bench_kernels:
         csv="results/{machine}/kernels_{version}/kernels.csv",
     log:
         text="logs/bench_kernels/{machine}_{version}.log",
+        json="logs/bench_kernels/{machine}_{version}.jsonl",
         telemetry="logs/bench_kernels/{machine}_{version}_telemetry.csv",
     benchmark:
         "benchmarks/bench_kernels/{machine}_{version}.tsv"
@@ -150,7 +152,7 @@ rule bench_kernels:
     shell:
         "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
         " python -m occult.harness.telemetry --out {log.telemetry} --"
-        " python -m occult.harness.kernel_bench --out {output.csv} > {log.text} 2>&1"
+        " python -m occult.harness.kernel_bench --out {output.csv} --log-json {log.json} > {log.text} 2>&1"
 
 
 # A config sweep of the grouped GEMM kernels (the autotuner's configs and a seeded sample of a
@@ -163,6 +165,7 @@ rule tune_kernels:
         time_limit_s=2400,
     log:
         text="logs/tune_kernels/{machine}_{version}.log",
+        json="logs/tune_kernels/{machine}_{version}.jsonl",
     benchmark:
         "benchmarks/tune_kernels/{machine}_{version}.tsv"
     wildcard_constraints:
@@ -178,7 +181,7 @@ rule tune_kernels:
     shell:
         "python -m occult.harness.gpu_slots --gpus {resources.gpus} --"
         " python -m occult.harness.kernel_tune --out {output.csv} --max-configs {params.max_configs}"
-        " --time-limit-s {params.time_limit_s} > {log.text} 2>&1"
+        " --time-limit-s {params.time_limit_s} --log-json {log.json} > {log.text} 2>&1"
 
 
 # All-to-all rates per message size and the grouped-GEMM curves of D ranks (the simulator's

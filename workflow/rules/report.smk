@@ -82,6 +82,7 @@ rule write_config_reference:
         page="docs/configuration.md",
     log:
         text="logs/write_config_reference/configuration.log",
+        json="logs/write_config_reference/configuration.jsonl",
     benchmark:
         "benchmarks/write_config_reference/configuration.tsv"
     conda:
@@ -92,4 +93,4 @@ rule write_config_reference:
         runtime=5,
     shell:
         "python -m occult.report.config_reference --schema {input.schema} --defaults {input.defaults}"
-        " --out {output.page} > {log.text} 2>&1"
+        " --out {output.page} --log-json {log.json} > {log.text} 2>&1"
