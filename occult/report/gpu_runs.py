@@ -1,9 +1,11 @@
 """Figures and tables from committed GPU results (runs on a CPU machine).
 
-Sweeps (`--run-dir results/<machine>/sweeps_<v>`): reads `sweep_<kind>_D<D>.csv` (written by
+Sweeps (`--run-dir results/<machine>/sweeps_<v>`): reads `sweep_<kind>_D<D>*.csv` (written by
 `occult.harness.sweep` on the GPU machine) and writes to `figures/<machine>/sweeps_<v>/`: latency vs
-tokens per shape (prefill), step time vs batch (train), latency vs batch (decode), and speedup
-bars of Occult against MegaBlocks and Tutel at 2^14 tokens/GPU; plus `speedups.csv`.
+tokens per shape (prefill), step time vs batch (train), latency vs batch (decode), one row of panels
+per routing, and speedup bars of Occult against MegaBlocks and Tutel at 2^14 tokens/GPU; plus
+`speedups.csv`. Rows without a routing (files written before the sweep had the column) ran its
+default, synthetic routing.
 
 EP benchmark (`--ep`, `--run-dir results/<machine>/ep_<v>`, from `workflow/scripts/gpu_ep_bench.sh`):
 reads `ep_<kind>_<routing>_D<D>.csv` and `peak.csv`; writes `summary.csv` (per method and size:
@@ -30,7 +32,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from occult.method_names import is_occult, parse_method  # noqa: E402
+from occult.method_names import BASELINE_SETTINGS, MethodNameError, is_occult, parse_method  # noqa: E402
 from occult.provenance import atomic_path, write_csv  # noqa: E402
 from occult.sim.builtin_alltoall import BUILTIN_ALLTOALL_SOURCE, builtin_alltoall_table  # noqa: E402
 
@@ -43,16 +45,100 @@ REFERENCE_TOKENS = 16384
 METHOD_ORDER = ("occult", "occult-balanced", "occult-graph", "occult-graph-balanced", "occult-nd2", "occult-nd1",
                 "megablocks", "tutel", "deepspeed", "naive", "hf", "fsdp")
 TAB20_INDEX = (0, 1, 2, 3, 4, 5, 6, 8, 10, 14, 12, 16)
+# The sweep's routings in panel order (occult.harness.sweep.settings.ROUTINGS); rows without one ran
+# the default.
+ROUTING_ORDER = ("synthetic", "uniform", "trace")
+DEFAULT_ROUTING = "synthetic"
+# Line styles of a baseline's settings, in the order of `_setting_rank` (its defaults first).
+SETTING_STYLES = ("--x", "-.^", ":s", "--v", "-.d", ":P")
+
+
+def _baseline_system(method: str) -> str | None:
+    """The baseline a method name runs (None: Occult, or a name outside the grammar)."""
+    try:
+        spec = parse_method(method)
+    except MethodNameError:
+        return None
+    return None if spec.is_occult else spec.system
 
 
 def method_colors(methods) -> dict[str, tuple]:
-    """A fixed colour per method name, the same in every panel and run."""
+    """A fixed colour per method name, the same in every panel and run; a baseline's settings
+    (`megablocks:grouped_gemm=cutlass`) share its colour."""
     palette = plt.get_cmap("tab20").colors
     colors = {m: palette[i] for m, i in zip(METHOD_ORDER, TAB20_INDEX)}
+    variants = {m: _baseline_system(m) for m in set(methods) - set(colors)}
+    variants = {m: system for m, system in variants.items() if system in colors}
     spare = [c for i, c in enumerate(palette) if i not in TAB20_INDEX]
-    for k, method in enumerate(sorted(set(methods) - set(colors))):
+    for k, method in enumerate(sorted(set(methods) - set(colors) - set(variants))):
         colors[method] = spare[k % len(spare)]
+    colors.update({method: colors[system] for method, system in variants.items()})
     return colors
+
+
+def _setting_rank(method: str) -> tuple:
+    """Sort key of a baseline's settings: its defaults first, then the chosen values' positions in
+    `BASELINE_SETTINGS`."""
+    spec = parse_method(method)
+    table = BASELINE_SETTINGS.get(spec.system, {})
+    return tuple(table[key].index(value) for key, value in spec.settings)
+
+
+def method_labels(frame: pd.DataFrame) -> dict[str, str]:
+    """Legend text per method of `frame`: the name, except a baseline run in several settings, which
+    reads `<baseline> (<its settings>)`, the settings the run recorded (`baseline_config`) or else
+    the name's own (`megablocks:grouped_gemm=cutlass` -> `megablocks (grouped_gemm=cutlass)`)."""
+    methods = list(dict.fromkeys(frame["method"]))
+    systems = {m: _baseline_system(m) for m in methods}
+    count = pd.Series([s for s in systems.values() if s]).value_counts()
+    configs = {}
+    if "baseline_config" in frame.columns:
+        recorded = frame.dropna(subset=["baseline_config"])
+        configs = recorded.groupby("method")["baseline_config"].first().astype(str).to_dict()
+    labels = {}
+    for method in methods:
+        system = systems[method]
+        if system is None or count[system] == 1 and method == system:
+            labels[method] = method
+            continue
+        chosen = configs.get(method) or method.partition(":")[2] or "defaults"
+        labels[method] = f"{system} ({chosen.replace(',', ', ')})"
+    repeated = pd.Series(list(labels.values())).value_counts()
+    return {m: text if repeated[text] == 1 else f"{text} [{m}]" for m, text in labels.items()}
+
+
+def method_styles(methods) -> dict[str, str]:
+    """Line style per method: Occult's variants solid with dots, a baseline dashed with crosses, its
+    other settings in the other styles of `SETTING_STYLES` (defaults first)."""
+    styles, by_system = {}, {}
+    for method in methods:
+        system = _baseline_system(method)
+        if system is None:
+            styles[method] = "-o" if is_occult(method) else "--x"
+        else:
+            by_system.setdefault(system, []).append(method)
+    for system, members in by_system.items():
+        for k, method in enumerate(sorted(members, key=_setting_rank)):
+            styles[method] = SETTING_STYLES[k % len(SETTING_STYLES)]
+    return styles
+
+
+def _plot_order(method: str, rank: dict[str, int]) -> tuple:
+    """Methods in `METHOD_ORDER`, a baseline's other settings right after its defaults."""
+    base = _baseline_system(method) or method
+    return rank.get(base, len(rank)), method != base, method
+
+
+def with_routing(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows with a `routing` on each: those without one (files written before the sweep
+    recorded it) ran the default, synthetic routing."""
+    out = frame.copy()
+    out["routing"] = out["routing"].fillna(DEFAULT_ROUTING) if "routing" in out.columns else DEFAULT_ROUTING
+    return out
+
+
+def _routing_rank(routing: str) -> tuple:
+    return (ROUTING_ORDER.index(routing) if routing in ROUTING_ORDER else len(ROUTING_ORDER), routing)
 
 
 def load_sweeps(run_dir: Path) -> pd.DataFrame:
@@ -78,33 +164,45 @@ def replicate_medians(frame: pd.DataFrame, extra_keys: tuple[str, ...] = ()) -> 
 
 
 def plot_kind(frame: pd.DataFrame, kind: str, path: Path) -> None:
-    """One panel per (shape, D): median latency per method against the sweep size (ok rows only);
-    where a point has replicates, the line goes through their median and a bar spans them."""
-    ok = replicate_medians(frame[(frame["kind"] == kind) & (frame["status"] == "ok")])
+    """One row of panels per routing, one panel per (shape, D): median latency per method against
+    the sweep size (ok rows only); where a point has replicates, the line goes through their median
+    and a bar spans them. Titles name the routing unless every row ran the default one."""
+    rows = with_routing(frame[(frame["kind"] == kind) & (frame["status"] == "ok")])
+    ok = replicate_medians(rows, extra_keys=("routing",))
+    routings = sorted(set(ok["routing"]), key=_routing_rank) or [DEFAULT_ROUTING]
     panels = sorted(ok.groupby(["shape", "D"]).groups)
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
+    width = max(1, len(panels))
+    fig, axes = plt.subplots(len(routings), width, figsize=(4.2 * width, 3.6 * len(routings)), squeeze=False)
     colors = method_colors(ok["method"].unique())
+    styles = method_styles(ok["method"].unique())
+    labels = method_labels(rows)
     rank = {m: i for i, m in enumerate(METHOD_ORDER)}
     handles = {}
-    for ax, (shape, devices) in zip(axes[0], panels):
-        part = ok[(ok["shape"] == shape) & (ok["D"] == devices)]
-        for method, g in sorted(part.groupby("method"), key=lambda mg: (rank.get(mg[0], len(rank)), mg[0])):
-            g = g.sort_values(SIZE_COLUMN[kind])
-            style = "-o" if is_occult(method) else "--x"
-            line, = ax.plot(g[SIZE_COLUMN[kind]], g["median_ms"], style, ms=3, color=colors[method], label=method)
-            handles.setdefault(method, line)
-            spread = g[g["replicates"] > 1]
-            if not spread.empty:
-                ax.vlines(spread[SIZE_COLUMN[kind]], spread["low_ms"], spread["high_ms"], color=colors[method], lw=1)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set_title(f"{kind}: {shape}, D={devices}", fontsize=9)
-        ax.set_xlabel(XLABEL[kind], fontsize=8)
-        ax.grid(True, which="major", lw=0.3, alpha=0.5)
-    axes[0][0].set_ylabel("median ms (one MoE layer)", fontsize=8)
+    for row_axes, routing in zip(axes, routings):
+        for ax, (shape, devices) in zip(row_axes, panels):
+            part = ok[(ok["routing"] == routing) & (ok["shape"] == shape) & (ok["D"] == devices)]
+            if part.empty:
+                ax.set_visible(False)
+                continue
+            for method, g in sorted(part.groupby("method"), key=lambda mg: _plot_order(mg[0], rank)):
+                g = g.sort_values(SIZE_COLUMN[kind])
+                line, = ax.plot(g[SIZE_COLUMN[kind]], g["median_ms"], styles[method], ms=3, color=colors[method],
+                                label=labels[method])
+                handles.setdefault(labels[method], line)
+                spread = g[g["replicates"] > 1]
+                if not spread.empty:
+                    ax.vlines(spread[SIZE_COLUMN[kind]], spread["low_ms"], spread["high_ms"], color=colors[method],
+                              lw=1)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            named = "" if routings == [DEFAULT_ROUTING] else f", {routing} routing"
+            ax.set_title(f"{kind}: {shape}, D={devices}{named}", fontsize=9)
+            ax.set_xlabel(XLABEL[kind], fontsize=8)
+            ax.grid(True, which="major", lw=0.3, alpha=0.5)
+        row_axes[0].set_ylabel("median ms (one MoE layer)", fontsize=8)
     fig.legend(list(handles.values()), list(handles), fontsize=7, loc="upper center",
                ncol=min(len(handles), 7), bbox_to_anchor=(0.5, 0.0))
     fig.suptitle(f"machine: {frame['machine'].iloc[0]}, commit {frame['commit'].iloc[0]}", fontsize=8)
@@ -122,8 +220,8 @@ def speedups(frame: pd.DataFrame, tokens: int = REFERENCE_TOKENS) -> pd.DataFram
     cutlass`, ...) is represented by its fastest setting at that point, named in `baseline_method` and
     `baseline_config`; `configs_compared` says among how many. Files without a `routing` column hold
     the synthetic routing (the sweep's default before it had one)."""
-    ok = frame[(frame["kind"] == "prefill") & (frame["status"] == "ok") & (frame["tokens_per_gpu"] == tokens)].copy()
-    ok["routing"] = ok["routing"].fillna("synthetic") if "routing" in ok.columns else "synthetic"
+    at = (frame["kind"] == "prefill") & (frame["status"] == "ok") & (frame["tokens_per_gpu"] == tokens)
+    ok = with_routing(frame[at])
     configs = ok.groupby("method")["baseline_config"].first().fillna("") if "baseline_config" in ok.columns else {}
     ok = replicate_medians(ok, extra_keys=("routing",))
     rows = []
@@ -184,7 +282,7 @@ def make_gpu_report(run_dir: Path, figures_dir: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The EP runtime's benchmark (issue 3)
+# The EP runtime's benchmark
 
 # `all_to_all_single` algbw (whole buffer / time) on 2×H200 NVLink: the table shipped with the simulator.
 NCCL_ALLTOALL_2GPU = builtin_alltoall_table()

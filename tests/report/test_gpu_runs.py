@@ -187,3 +187,93 @@ def test_sweep_speedups_per_routing_against_each_baselines_fastest_setting():
     assert trace["speedup"] == pytest.approx(4.5 / 3.0)
     assert table.loc[("synthetic", "occult", "tutel"), "baseline_config"] == "capacity_factor=0,adaptive_r=0"
     assert table.loc[("trace", "occult", "tutel"), "speedup"] == pytest.approx(9.0 / 3.0)
+
+
+def sweep_frame(routings: dict[str, float], methods: dict[str, float], config: dict[str, str] | None = None,
+                shapes: tuple[str, ...] = ("olmoe",)) -> pd.DataFrame:
+    """prefill rows at 2^10, 2^12, 2^14 tokens: median_ms = routing factor x method factor x size / 2^10."""
+    rows = [{"machine": "m", "commit": "c", "kind": "prefill", "status": "ok", "shape": shape, "D": 2,
+             "tokens_per_gpu": size, "routing": routing, "method": method,
+             "median_ms": r * f * size / 1024, **({"baseline_config": config.get(method)} if config else {})}
+            for routing, r in routings.items() for method, f in methods.items() for shape in shapes
+            for size in (1024, 4096, 16384)]
+    return pd.DataFrame(rows)
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures plot_kind draws, kept open instead of saved."""
+    figures = []
+    monkeypatch.setattr(gpu_report, "_save", lambda fig, path: figures.append(fig))
+    yield figures
+    for fig in figures:
+        gpu_report.plt.close(fig)
+
+
+def test_plot_kind_draws_one_row_of_panels_per_routing(drawn, tmp_path):
+    methods = {"occult": 1.0, "megablocks": 2.0, "megablocks:grouped_gemm=cutlass": 3.0, "tutel": 4.0}
+    config = {"megablocks": "grouped_gemm=cublas", "megablocks:grouped_gemm=cutlass": "grouped_gemm=cutlass",
+              "tutel": "capacity_factor=0"}
+    frame = sweep_frame({"trace": 10.0, "synthetic": 1.0}, methods, config, shapes=("olmoe", "qwen"))
+    gpu_report.plot_kind(frame, "prefill", tmp_path / "prefill.png")
+    (fig,) = drawn
+    axes = fig.axes
+    assert len(axes) == 4                                               # 2 routings x 2 (shape, D) panels
+    titles = [ax.get_title() for ax in axes]
+    assert titles == ["prefill: olmoe, D=2, synthetic routing", "prefill: qwen, D=2, synthetic routing",
+                      "prefill: olmoe, D=2, trace routing", "prefill: qwen, D=2, trace routing"]
+    for ax, factor in zip(axes, (1.0, 1.0, 10.0, 10.0)):
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert set(lines) == {"occult", "megablocks (grouped_gemm=cublas)", "megablocks (grouped_gemm=cutlass)", "tutel"}
+        for line in lines.values():
+            xs = list(line.get_xdata())
+            assert xs == [1024, 4096, 16384]                             # one point per size: no zigzag
+        cutlass = lines["megablocks (grouped_gemm=cutlass)"]
+        assert list(cutlass.get_ydata()) == pytest.approx([factor * 3.0 * s for s in (1, 4, 16)])
+        default = lines["megablocks (grouped_gemm=cublas)"]
+        assert default.get_color() == cutlass.get_color()                # one baseline, one colour
+        assert (default.get_linestyle(), default.get_marker()) != (cutlass.get_linestyle(), cutlass.get_marker())
+    legend = [text.get_text() for text in fig.legends[0].get_texts()]
+    assert sorted(legend) == sorted(["occult", "megablocks (grouped_gemm=cublas)", "megablocks (grouped_gemm=cutlass)",
+                                     "tutel"])
+
+
+def test_a_panel_a_routing_did_not_measure_is_left_blank(drawn, tmp_path):
+    frame = pd.concat([sweep_frame({"synthetic": 1.0}, {"occult": 1.0}, shapes=("olmoe", "qwen")),
+                       sweep_frame({"uniform": 2.0}, {"occult": 1.0}, shapes=("olmoe",))], ignore_index=True)
+    gpu_report.plot_kind(frame, "prefill", tmp_path / "prefill.png")
+    (fig,) = drawn
+    assert [ax.get_visible() for ax in fig.axes] == [True, True, True, False]
+
+
+def test_a_sweep_without_routing_column_plots_as_the_synthetic_routing_did(tmp_path):
+    """Files written before the sweep recorded its routing: the same figure as rows marked synthetic,
+    one row of panels, titles without the routing, baselines named as before."""
+    frame = sweep_frame({"synthetic": 1.0}, {"occult": 1.0, "megablocks": 2.0}, shapes=("olmoe", "qwen"))
+    old = frame.drop(columns=["routing"])
+    gpu_report.plot_kind(old, "prefill", tmp_path / "old.png")
+    gpu_report.plot_kind(frame.assign(routing=[None] * len(frame)), "prefill", tmp_path / "blank.png")
+    gpu_report.plot_kind(frame, "prefill", tmp_path / "marked.png")
+    assert (tmp_path / "old.png").read_bytes() == (tmp_path / "marked.png").read_bytes()
+    assert (tmp_path / "blank.png").read_bytes() == (tmp_path / "marked.png").read_bytes()
+    assert gpu_report.method_labels(old) == {"occult": "occult", "megablocks": "megablocks"}
+    table = gpu_report.speedups(old)
+    assert set(table["routing"]) == {"synthetic"}
+
+
+def test_baseline_labels_from_the_name_where_the_run_recorded_no_settings():
+    frame = pd.DataFrame({"method": ["occult-nd2", "tutel", "tutel:adaptive_r=0", "megablocks:mlp_impl=sparse",
+                                     "naive", "deepspeed", "deepspeed:use_tutel=1"]})
+    assert gpu_report.method_labels(frame) == {
+        "occult-nd2": "occult-nd2", "naive": "naive", "tutel": "tutel (defaults)", "tutel:adaptive_r=0": "tutel (adaptive_r=0)",
+        "megablocks:mlp_impl=sparse": "megablocks (mlp_impl=sparse)", "deepspeed": "deepspeed (defaults)",
+        "deepspeed:use_tutel=1": "deepspeed (use_tutel=1)"}
+    styles = gpu_report.method_styles(frame["method"])
+    assert styles["tutel"] == "--x" and styles["tutel:adaptive_r=0"] != "--x"       # defaults keep the old style
+    assert styles["occult-nd2"] == "-o" and styles["megablocks:mlp_impl=sparse"] == "--x"
+
+
+def test_the_routing_order_is_the_sweeps():
+    from occult.harness.sweep.settings import ROUTINGS
+
+    assert gpu_report.ROUTING_ORDER == ROUTINGS and gpu_report.DEFAULT_ROUTING == ROUTINGS[0]
