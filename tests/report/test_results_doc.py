@@ -36,6 +36,13 @@ FILES = [
     "results/nvidia-h200-x2/comm_v1/alltoall.csv",
     "results/nvidia-h200-x2/comm_v1/gemm.csv",
     "results/nvidia-h200/quality_upcycle_v4/tables/replicates.csv",
+    "results/nvidia-h200/quality_upcycle_v4/tables/inheritance.csv",
+    "results/nvidia-h200/quality_upcycle_v4/tables/verdicts_pooled.csv",
+    "results/nvidia-h200/quality_upcycle_v4/tables/verdicts_pooled_bases.csv",
+    "results/cpu-x86/placement_latency_v1/study.csv",
+    "results/cpu-x86/placement_latency_v1/latency_summary.csv",
+    "results/cpu-x86/placement_latency_v1/latency_replicas.csv",
+    "results/cpu-x86/placement_latency_v1/latency_tradeoff_first_layer.csv",
     "results/nvidia-h200/index.csv",
 ]
 # Columns the page names as a family rather than one by one.
