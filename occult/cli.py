@@ -82,7 +82,7 @@ def _profile(args, cfg) -> None:
 
 
 def _place(args, cfg) -> None:
-    from occult.routing.placement import run_placement
+    from occult.stages.place import run_placement
 
     run_placement(cfg, Path(args.profile), Path(args.out), Path(args.table),
                   Path(args.cost_model) if args.cost_model else None)

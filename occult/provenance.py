@@ -16,6 +16,7 @@ import platform
 import random
 import shutil
 import subprocess
+import zlib
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
@@ -173,3 +174,8 @@ def seed_everything(seed: int) -> None:
     import torch
 
     torch.manual_seed(seed)
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 31-bit seed from any parts (same in every process, unlike `hash`)."""
+    return zlib.crc32("/".join(map(str, parts)).encode()) & 0x7FFFFFFF

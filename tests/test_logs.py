@@ -218,12 +218,12 @@ def test_bad_config_exits_2_with_a_failed_record_naming_the_field(tmp_path):
 
 
 def test_unexpected_error_prints_its_traceback_and_is_recorded(tmp_path, capsys, monkeypatch):
-    import occult.routing.placement
+    import occult.stages.place
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(occult.routing.placement, "run_placement", broken)
+    monkeypatch.setattr(occult.stages.place, "run_placement", broken)
     assert main(place_args(tmp_path, tmp_path / "profile")) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err

@@ -38,6 +38,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from occult.kernels.wire_format import packed_row_layout
 from occult.ep.plan import (
     MODES,
     DispatchPlan,
@@ -49,7 +50,6 @@ from occult.ep.plan import (
     finish_dedup_plan,
     finish_plan,
     local_expert_ids,
-    packed_row_layout,
     static_plan,
     static_slots,
 )

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
-from occult.kernels.wire_format import META_BYTES_PER_PAIR, ROW_ALIGN_BYTES, DispatchPlan, packed_row_layout  # noqa: F401
+from occult.kernels.wire_format import DispatchPlan
 
 MODES = ("dedup", "per_expert")
 

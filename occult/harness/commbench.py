@@ -72,7 +72,7 @@ class BenchSettings:
     command: str = ""
 
     def validate(self) -> None:
-        from occult.harness.baselines import get_shape
+        from occult.shapes import get_shape
 
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device: {self.device!r} is not cuda or cpu")
@@ -172,9 +172,10 @@ def alltoall_row(send_elems: list[int], dtype: torch.dtype, device: torch.device
 
 def dedup_rows_per_device(shape_name: str, tokens: int, seed: int) -> list[int]:
     """Rows this rank's `tokens` send to each device in dedup mode (the sweep's routing and placement)."""
-    from occult.harness.baselines import get_shape
+    from occult.shapes import get_shape
     from occult.ep.plan import build_plan, local_expert_ids
-    from occult.harness.sweep.inputs import SyntheticRouter, derive_seed, make_inputs, occult_placement
+    from occult.harness.sweep.inputs import SyntheticRouter, make_inputs, occult_placement
+    from occult.provenance import derive_seed
 
     world, rank = _world()
     shape = get_shape(shape_name)
@@ -193,7 +194,7 @@ def packed_row_bytes(hidden: int, elem_bytes: int, slots: int) -> int:
 
 
 def bench_alltoall(settings: BenchSettings, device: torch.device, machine: str) -> list[dict[str, Any]]:
-    from occult.harness.baselines import get_shape
+    from occult.shapes import get_shape
 
     world, rank = _world()
     rows = []
@@ -241,7 +242,7 @@ def grouped_ffn(x_MD: torch.Tensor, offsets: torch.Tensor, w_gate_up_E2FD: torch
 
 
 def bench_gemm(settings: BenchSettings, device: torch.device, machine: str) -> list[dict[str, Any]]:
-    from occult.harness.baselines import get_shape
+    from occult.shapes import get_shape
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     impl = "grouped_mm" if hasattr(torch, "_grouped_mm") and device.type == "cuda" else "bmm"

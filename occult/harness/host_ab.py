@@ -18,7 +18,7 @@ expert, backward from a fixed output gradient), inputs from the sweep's syntheti
 
 `shared`: what the shared expert adds to an eager decode step: per shape, `layer` (the eager
 `ep_moe` call at D = 1) against `layer+shared` (the same plus
-`occult.harness.sweep.inputs.SharedExpert` added to its output, as the sweep does).
+`occult.shapes.SharedExpert` added to its output, as the sweep does).
 
     python -m occult.harness.host_ab train --rounds 200 --batch 1 2 4 --out train_host_ab.csv
     python -m occult.harness.host_ab shared --rounds 400 --batch 8 --out shared_host_ab.csv
@@ -50,9 +50,12 @@ KEY_COLUMNS = ("shape", "batch", "arm")
 
 def train_steps(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[tuple, Callable[[], None]]:
     """(shape, batch, arm) -> one training step of that arm, with the arm's launch switches set."""
-    from occult.harness.baselines import ExpertWeights, get_shape
+    from occult.harness.baselines import ExpertWeights
+    from occult.shapes import get_shape
     from occult.harness.baselines.naive import NaiveEP
-    from occult.harness.sweep.inputs import SharedExpert, SyntheticRouter, derive_seed, make_inputs
+    from occult.harness.sweep.inputs import SyntheticRouter, make_inputs
+    from occult.shapes import SharedExpert
+    from occult.provenance import derive_seed
     from occult.harness.sweep.occult_method import OccultEP
     from occult.harness.sweep.timing import train_step
 
@@ -96,8 +99,9 @@ def restore_launch_switches() -> None:
 def shared_steps(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[tuple, Callable[[], None]]:
     """(shape, batch, arm) -> one decode step of the eager layer, with or without the shared expert."""
     from occult.ep import ep_moe
-    from occult.harness.baselines import get_shape
-    from occult.harness.sweep.inputs import SharedExpert, derive_seed
+    from occult.shapes import get_shape
+    from occult.shapes import SharedExpert
+    from occult.provenance import derive_seed
 
     def step(x, ids, weights, placement, w_gate_up, w_down, shared) -> torch.Tensor:
         with torch.no_grad():

@@ -59,7 +59,7 @@ class LayerCost:
     `shape` at `tokens_per_gpu` tokens per GPU, `pass_` fwd or train, by the calibrated `cost`."""
 
     cost: object                   # occult.sim.cost_model.CostModel
-    shape: object                  # occult.harness.baselines.MoEShape
+    shape: object                  # occult.shapes.MoEShape
     tokens_per_gpu: float = DEFAULT_TOKENS_PER_GPU
     pass_: str = "fwd"
     method: str = "occult"

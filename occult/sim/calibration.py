@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from occult.harness.baselines import MoEShape, get_shape
+from occult.shapes import MoEShape, get_shape
 from occult.logs import progress
 from occult.method_names import MethodSpec
 from occult.sim.columns import SimulateError

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.logs import ENV_LOG_JSON, run_main
 from occult.sim.columns import MEASURED_COLUMNS, PREDICTION_COLUMNS, SimulateError
 from occult.sim.figures import identity_axes

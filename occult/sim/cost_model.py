@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from occult.harness.baselines import MoEShape
+from occult.shapes import MoEShape
 from occult.method_names import FAMILIES, MethodNameError, MethodSpec, parse_method
 from occult.sim.builtin_alltoall import builtin_alltoall_table
 from occult.sim.columns import SimulateError
@@ -219,19 +219,6 @@ class CostModel:
     # (family, kind, D, shape name) -> that shape's host ms above (or below) its family's eager terms
     # at the same D, at the typical host speed (`calibrate_shape_host`; not calibrated: 0)
     host_shape_ms: dict[tuple[str, str, int, str], float] = dataclasses.field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, path: str) -> "CostModel":
-        """The model a simulate stage wrote (`cost_model.json`, `occult.sim.cost_model_json`)."""
-        from occult.sim.cost_model_json import read_cost_model
-
-        return read_cost_model(path)[0]
-
-    def to_json(self, path: str, source: dict) -> None:
-        """This model and where it came from, as `from_json` reads it."""
-        from occult.sim.cost_model_json import write_cost_model
-
-        write_cost_model(path, self, source)
 
     def graph_host_for(self, pass_: str, num_devices: int) -> float:
         """The replay launch's host ms at this D, else at the largest calibrated D below it, else 0."""
@@ -465,14 +452,14 @@ def fit_host(gpu_ms: np.ndarray, measured_ms: np.ndarray, shared_host_ms: np.nda
 
 @functools.lru_cache(maxsize=None)
 def shared_launches(shape: MoEShape, pass_: str) -> int:
-    """ATen ops that the sweep's shared expert (`occult.harness.sweep.SharedExpert`, with the sum into the
+    """ATen ops that the sweep's shared expert (`occult.shapes.SharedExpert`, with the sum into the
     layer's output) adds to one call: forward, or forward and backward for `train`. Counted on a
     tiny copy on the CPU (the count does not depend on the sizes); 0 without a shared expert."""
     if not shape.shared_ffn:
         return 0
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from occult.harness.sweep.inputs import SharedExpert
+    from occult.shapes import SharedExpert
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:

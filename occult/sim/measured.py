@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.method_names import is_occult
 from occult.sim.columns import ALLTOALL_COLUMNS, GEMM_COLUMNS, MEASURED_COLUMNS, SimulateError
 from occult.sim.cost_model import LogLogCurve, builtin_alltoall_curve, expert_weight_bytes, method_spec

@@ -54,7 +54,7 @@ def routing_predictions(routing: str, cost: Any, shapes: Sequence[str] = SHAPES,
     """Rows of PREDICTION_COLUMNS for one routing (a shape the routing cannot serve: status rows)."""
     import pandas as pd
 
-    from occult.harness.baselines import get_shape
+    from occult.shapes import get_shape
     from occult.sim.predict import MOE_LAYERS, predict, sweep_points
     from occult.sim.traces import ShapeTraces
 

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.logs import progress
 from occult.sim.columns import PREDICTION_COLUMNS, SimulateError
 from occult.sim.cost_model import (NAIVE_BYTES_D1, NAIVE_BYTES_EP, CostModel, LogLogCurve, method_spec, pass_of,

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.logs import ENV_LOG_JSON, run_main
 from occult.sim.builtin_alltoall import BUILTIN_ALLTOALL_SOURCE
 from occult.sim.calibration import build_cost_model

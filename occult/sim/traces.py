@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from occult.harness.baselines import MoEShape
+from occult.shapes import MoEShape
 from occult.sim.columns import SimulateError
 from occult.sim.cost_model import CostModel, gpu_components, layer_time, method_spec
 from occult.sim.traffic import Traffic, static_traffic, traffic
@@ -26,7 +26,8 @@ class ShapeTraces:
     """
 
     def __init__(self, shape: MoEShape, pool_tokens: int, seed: int, routing: str = "synthetic") -> None:
-        from occult.harness.sweep.inputs import SyntheticRouter, derive_seed, make_inputs
+        from occult.harness.sweep.inputs import SyntheticRouter, make_inputs
+        from occult.provenance import derive_seed
 
         if routing not in ("synthetic", "uniform"):
             raise SimulateError(f"routing: {routing!r} cannot be regenerated on the CPU (synthetic, uniform)")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from occult.harness.baselines import MoEShape
+from occult.shapes import MoEShape
 from occult.kernels.wire_format import META_BYTES_PER_PAIR, packed_row_layout
 from occult.sim.columns import SimulateError
 

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.sim.calibration import MeasuredPoint, build_cost_model, calibrate, measured_points
 from occult.sim.columns import COMPONENTS, VALIDATION_COLUMNS
 from occult.sim.cost_model import EAGER_FAMILIES, CostModel, method_spec

@@ -35,7 +35,7 @@ class TraceRequest:
     trace: Path
     devices: tuple[int, ...]
     methods: tuple[str, ...]
-    shape: Any                       # occult.harness.baselines.MoEShape of the layer (its E, k from the trace)
+    shape: Any                       # occult.shapes.MoEShape of the layer (its E, k from the trace)
     num_experts: int | None = None   # None: largest id + 1
     tokens_per_gpu: int = 16384
     swap_rounds: int = 20
@@ -201,7 +201,7 @@ def shape_from_args(trace: Path, experts: int | None, shape_name: str | None, hi
                     ffn: int | None):
     """The layer shape: a named paper shape (E and k must match the trace) or the trace's E and k with
     `hidden` and `ffn`."""
-    from occult.harness.baselines import MoEShape, get_shape
+    from occult.shapes import MoEShape, get_shape
 
     if shape_name is not None and (hidden is not None or ffn is not None):
         raise ValueError("--shape or --hidden/--ffn, not both")

@@ -29,7 +29,7 @@ TRADEOFF_METHODS = ("contiguous", "greedy", "swap", "load_aware", "eplb", "laten
 def trace_shape(name: str, num_experts: int, top_k: int, shape: Any = None):
     """The layer shape that prices trace `name`: `shape` when given, a preset's model, else an
     OLMoE-sized layer (hidden 2048, expert width 1024) with the trace's E and k."""
-    from occult.harness.baselines import MoEShape, get_shape
+    from occult.shapes import MoEShape, get_shape
 
     if shape is not None:
         if (shape.num_experts, shape.top_k) != (num_experts, top_k):
@@ -122,9 +122,10 @@ def sweep_router_splits(shape_names: Sequence[str], tokens: int, seed: int) -> d
     the way the sweep's timed inputs are (`make_inputs`), `tokens` each."""
     import torch
 
-    from occult.harness.baselines import get_shape
-    from occult.harness.sweep.inputs import CALIBRATION_TOKENS, SyntheticRouter, derive_seed, make_inputs
-    from occult.stages.placement_study import RoutingSplits
+    from occult.shapes import get_shape
+    from occult.harness.sweep.inputs import CALIBRATION_TOKENS, SyntheticRouter, make_inputs
+    from occult.provenance import derive_seed
+    from occult.routing.splits import RoutingSplits
 
     out = {}
     for name in shape_names:

@@ -32,6 +32,7 @@ import pandas as pd
 from occult.config import config_hash
 from occult.routing.latency import DEFAULT_TOKENS_PER_GPU, latency_search
 from occult.logs import ENV_LOG_JSON, progress, run_main
+from occult.routing.splits import RoutingSplits
 from occult.routing.placement import (
     contiguous,
     ct_bounds,
@@ -81,25 +82,6 @@ class SearchConfig:
     replica_devices: tuple[int, ...] = (2, 4, 8)   # the D with replica rows
     replica_rounds: int = 1   # passes of the copy moves
     replica_tokens: int = 8192   # calibration tokens the copies are placed on (all are measured)
-
-
-@dataclass(frozen=True)
-class RoutingSplits:
-    """Calibration and held-out routing [L, N, k] of one model (or synthetic shape).
-
-    `sources` [N] index `source_names` (as in occult.routing.profiling's routing files); empty when unknown.
-    `shape`: the MoE layer shape that prices it (`occult.harness.baselines.MoEShape`; None:
-    `placement_latency.trace_shape`'s default).
-    """
-
-    calib_LNK: np.ndarray
-    heldout_LNK: np.ndarray
-    num_experts: int
-    layers: tuple[int, ...] = ()
-    calib_sources: np.ndarray | None = None
-    heldout_sources: np.ndarray | None = None
-    source_names: tuple[str, ...] = ()
-    shape: Any = None
 
 
 def as_splits(name: str, value: RoutingSplits | tuple[np.ndarray, np.ndarray]) -> RoutingSplits:
@@ -496,7 +478,7 @@ def plot_main(argv: Sequence[str]) -> None:
 
 def _profile_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
     """The profile trace's layer shape from --model-shape, or --hidden/--ffn with its E and k (None: default)."""
-    from occult.harness.baselines import MoEShape, get_shape
+    from occult.shapes import MoEShape, get_shape
 
     if args.model_shape is not None:
         if args.hidden is not None or args.ffn is not None:

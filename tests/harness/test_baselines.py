@@ -12,13 +12,8 @@ import importlib.util
 import pytest
 import torch
 
-from occult.harness.baselines import (
-    SHAPES,
-    ExpertWeights,
-    MoEShape,
-    contiguous_experts,
-    make_method,
-)
+from occult.harness.baselines import (ExpertWeights, contiguous_experts, make_method)
+from occult.shapes import SHAPES, MoEShape
 from occult.harness.baselines.tutel import GivenRoutingGate
 from occult.harness.ranks import run_ranks
 from occult.kernels.reference import moe_dense_ref

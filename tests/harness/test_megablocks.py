@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from occult.harness.baselines import MoEShape, make_method
+from occult.harness.baselines import make_method
+from occult.shapes import MoEShape
 from occult.harness.baselines.megablocks import GROUPED_GEMM_MODES, backend_mode, use_grouped_gemm_build
 from occult.harness.sweep.settings import REL_TOLERANCE
 from occult.provenance import REPO_ROOT

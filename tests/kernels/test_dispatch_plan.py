@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from occult.harness.ranks import run_ranks
 from occult.ep.layer import _pack_rows, ep_moe, get_backend
-from occult.ep.plan import count_dedup_plan, experts_of_device, finish_dedup_plan, local_expert_ids, packed_row_layout
+from occult.ep.plan import count_dedup_plan, experts_of_device, finish_dedup_plan, local_expert_ids
+from occult.kernels.wire_format import packed_row_layout
 from occult.kernels.dispatch_plan import block_tokens, dedup_plan_count, dedup_plan_pack
 
 from tests.ep.test_plan import CASES, routing, shuffled_placement  # noqa: E402

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from occult.harness.baselines import MoEShape, get_shape
+from occult.shapes import MoEShape, get_shape
 from occult.routing.latency import LayerCost, _LatencyState, default_starts, latency_search
 from occult.routing.placement import contiguous, expected_ct
 from occult.routing.placement_methods import synthetic_trace

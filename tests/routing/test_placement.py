@@ -24,11 +24,10 @@ from occult.routing.placement import (
     load_placement,
     load_placement_layers,
     max_device_load_over_mean,
-    place,
-    run_placement,
     swap_search,
     trace_metrics,
 )
+from occult.stages.place import place, run_placement
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -260,7 +259,7 @@ def test_place_dispatch():
     assert np.array_equal(place("greedy", coact_EE, ids_NK, 4, 5, 0), greedy_occult(coact_EE, 4))
     swap = place("swap", coact_EE, ids_NK, 4, 5, 0)
     assert expected_ct(ids_NK, swap) <= expected_ct(ids_NK, greedy_occult(coact_EE, 4))
-    from occult.harness.baselines import MoEShape
+    from occult.shapes import MoEShape
     from occult.routing.latency import LayerCost, default_starts
     from occult.sim.cost_model_json import builtin_cost_model
 

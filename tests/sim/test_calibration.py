@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.sim.calibration import (MeasuredPoint, build_cost_model, graph_replay_host, host_terms, kernel_rows,
                                     measured_points, shared_host_per_launch, shared_scales)
 from occult.sim.columns import VALIDATION_COLUMNS, SimulateError

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.sim.calibration import build_cost_model
 from occult.sim.columns import SimulateError
 from occult.sim.cost_model import (CostModel, HostTerms, LinkModel, LogLogCurve, OtherGpuTerms, builtin_alltoall_curve,
@@ -133,7 +133,7 @@ def test_shared_expert_elementwise_bytes_match_the_sweeps_shared_expert():
     mode on the CPU; the term adds bytes / HBM rate to the shared expert's time (x 3 in fwd+bwd)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from occult.harness.sweep.inputs import SharedExpert
+    from occult.shapes import SharedExpert
 
     gemms = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.linear.default,
              torch.ops.aten.t.default, torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
@@ -170,7 +170,7 @@ def test_shared_expert_elementwise_bytes_match_the_sweeps_shared_expert():
 
 
 def test_shared_expert_launches_are_counted_on_the_sweeps_module():
-    """The ops `occult.harness.sweep.inputs.SharedExpert` adds to a call: Qwen's sigmoid gate adds its own GEMM,
+    """The ops `occult.shapes.SharedExpert` adds to a call: Qwen's sigmoid gate adds its own GEMM,
     sigmoid and product; the backward adds more than the forward; no shared expert, no ops."""
     qwen, deepseek = get_shape("qwen"), get_shape("deepseek")
     # forward: gate_up (t, mm), 2 slices, silu, product, down (t, mm), the sum into the output = 9

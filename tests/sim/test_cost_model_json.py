@@ -47,7 +47,7 @@ def test_round_trip_is_lossless(tmp_path):
     again, source = read_cost_model(path)
     assert source == {"commit": "abc"}
     assert_same(model, again)
-    assert_same(model, CostModel.from_json(str(path)))
+    assert_same(model, read_cost_model(str(path))[0])
     assert_same(model, cost_model_from_dict(cost_model_to_dict(model)))
     assert again.link.alltoall_ms(np.array([[0.0, 1e6], [2e6, 0.0]])) == model.link.alltoall_ms(
         np.array([[0.0, 1e6], [2e6, 0.0]]))

@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.sim.calibration import build_cost_model
 from occult.sim.columns import SimulateError
 from occult.sim.cost_model import expert_weight_bytes

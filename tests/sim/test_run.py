@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.sim.columns import PREDICTION_COLUMNS, SimulateError
 from occult.sim.cost_model_json import read_cost_model
 from occult.sim.predict import RecordedRequest

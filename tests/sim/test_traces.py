@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.sim.columns import SimulateError
 from occult.sim.cost_model import LogLogCurve, method_spec
 from occult.sim.traces import ShapeTraces, simulate_point

@@ -4,7 +4,7 @@ scaling, the static-shape plan and traffic rebuilt from a row's own accounting; 
 import numpy as np
 import pytest
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.sim.columns import SimulateError
 from occult.sim.traffic import recorded_traffic, static_traffic, traffic, wire_row_bytes
 

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from occult.harness.baselines import get_shape
+from occult.shapes import get_shape
 from occult.sim.calibration import build_cost_model
 from occult.sim.columns import VALIDATION_COLUMNS
 from occult.sim.measured import read_measured

@@ -84,7 +84,7 @@ def test_bench_writes_checked_rows(tmp_path):
     assert (busy.fwd_ms > 0).all() and (busy.fwd_bwd_ms > 0).all()
     # per_expert rows carry one (expert id, gate) slot behind the fp32 hidden vector, padded to
     # the packed-row alignment: hidden 16 × 4 B + 8 B → 128 B per remote row
-    from occult.ep.plan import packed_row_layout
+    from occult.kernels.wire_format import packed_row_layout
 
     row_bytes = packed_row_layout(16, torch.float32.itemsize, 1)[1]
     assert row_bytes == 128

@@ -32,49 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from occult.shapes import MoEShape
+
 
 class MethodUnavailable(RuntimeError):
     """The method's library is missing on this machine; the message says why."""
 
 
-@dataclass(frozen=True)
-class MoEShape:
-    """One MoE layer shape. `shared_ffn` is the total width of the shared expert(s) (0 = none)."""
-
-    name: str
-    num_experts: int
-    top_k: int
-    hidden: int
-    ffn: int
-    shared_ffn: int = 0
-    shared_gate: bool = False     # Qwen1.5-MoE: sigmoid(x . w) scales the shared expert
-    hf_family: str = "olmoe"      # transformers experts class for the HF method
-
-    def __post_init__(self) -> None:
-        for field in ("num_experts", "top_k", "hidden", "ffn"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"shape {self.name}: {field} must be positive, got {getattr(self, field)}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"shape {self.name}: top_k {self.top_k} exceeds num_experts {self.num_experts}")
-        if self.shared_ffn < 0:
-            raise ValueError(f"shape {self.name}: shared_ffn must be >= 0, got {self.shared_ffn}")
-
-
-SHAPES: types.MappingProxyType[str, MoEShape] = types.MappingProxyType({
-    # The paper's three models (one MoE layer each).
-    "olmoe": MoEShape("olmoe", 64, 8, 2048, 1024, hf_family="olmoe"),
-    "qwen": MoEShape("qwen", 60, 4, 2048, 1408, shared_ffn=5632, shared_gate=True, hf_family="qwen2_moe"),
-    "deepseek": MoEShape("deepseek", 64, 6, 2048, 1408, shared_ffn=2 * 1408, hf_family="deepseek_v2"),
-    # CPU smoke shapes.
-    "tiny": MoEShape("tiny", 8, 2, 32, 16, hf_family="olmoe"),
-    "tiny-shared": MoEShape("tiny-shared", 8, 3, 32, 16, shared_ffn=24, shared_gate=True, hf_family="qwen2_moe"),
-})
-
-
-def get_shape(name: str) -> MoEShape:
-    if name not in SHAPES:
-        raise ValueError(f"shape: {name!r} is not one of {sorted(SHAPES)}")
-    return SHAPES[name]
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from occult.harness.baselines import ExpertWeights, MoEShape, contiguous_experts, world_and_rank
+from occult.harness.baselines import ExpertWeights, contiguous_experts, world_and_rank
+from occult.shapes import MoEShape
 from occult.harness.baselines.given_routing import GivenRoutingMethod, given_routing_logits
 
 

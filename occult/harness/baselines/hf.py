@@ -17,7 +17,8 @@ import types
 import torch
 import torch.distributed as dist
 
-from occult.harness.baselines import ExpertWeights, Method, MoEShape, import_error_text
+from occult.harness.baselines import ExpertWeights, Method, import_error_text
+from occult.shapes import MoEShape
 
 # family -> (module, experts class)
 EXPERTS_CLASSES = types.MappingProxyType({

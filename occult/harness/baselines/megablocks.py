@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from occult.harness.baselines import ExpertWeights, Method, MoEShape, contiguous_experts, import_error_text, world_and_rank
+from occult.harness.baselines import ExpertWeights, Method, contiguous_experts, import_error_text, world_and_rank
+from occult.shapes import MoEShape
 
 
 GROUPED_GEMM_MODES = ("cublas", "cutlass")

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from occult.harness.baselines import ExpertWeights, Method, MoEShape, contiguous_experts, import_error_text, world_and_rank
+from occult.harness.baselines import ExpertWeights, Method, contiguous_experts, import_error_text, world_and_rank
+from occult.shapes import MoEShape
 from occult.ep.layer import AllToAll
 
 

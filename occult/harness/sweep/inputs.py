@@ -4,16 +4,16 @@ batch, and the shape's shared expert."""
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from occult.harness.baselines import MoEShape, world_and_rank
+from occult.harness.baselines import world_and_rank
+from occult.provenance import derive_seed
+from occult.shapes import MoEShape
 from occult.harness.sweep.settings import SweepError, SweepSettings
 from occult.method_names import BALANCE_EPS, parse_method
 
@@ -140,11 +140,6 @@ def make_router(settings: SweepSettings, shape: MoEShape, routing: str):
     return SyntheticRouter.make(shape, settings.seed)
 
 
-def derive_seed(*parts: Any) -> int:
-    """A stable 31-bit seed from any parts (same in every process, unlike `hash`)."""
-    return zlib.crc32("/".join(map(str, parts)).encode()) & 0x7FFFFFFF
-
-
 def routing_key(method: str) -> int | None:
     """N_d of the routing a method uses (None = exact top-k)."""
     return parse_method(method).max_devices
@@ -222,22 +217,3 @@ def placement_from_calibration(ids_NK: torch.Tensor, shape: MoEShape, world: int
     return torch.tensor([int(device) for device in placement], dtype=torch.long)
 
 
-class SharedExpert(torch.nn.Module):
-    """The shape's shared expert(s) as one SwiGLU of width shared_ffn, optionally sigmoid-gated."""
-
-    def __init__(self, shape: MoEShape, seed: int, device: torch.device, dtype: torch.dtype) -> None:
-        super().__init__()
-        gen = torch.Generator().manual_seed(derive_seed(seed, "shared", shape.name))
-        d, f = shape.hidden, shape.shared_ffn
-        self.ffn = f
-        self.gate_up = torch.nn.Parameter((torch.randn(2 * f, d, generator=gen) / d**0.5).to(device, dtype))
-        self.down = torch.nn.Parameter((torch.randn(d, f, generator=gen) / f**0.5).to(device, dtype))
-        self.gate = (torch.nn.Parameter((torch.randn(1, d, generator=gen) / d**0.5).to(device, dtype))
-                     if shape.shared_gate else None)
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x_TD, self.gate_up)
-        y = F.linear(F.silu(gate_up[:, : self.ffn]) * gate_up[:, self.ffn :], self.down)
-        if self.gate is not None:
-            y = torch.sigmoid(F.linear(x_TD, self.gate)) * y
-        return y

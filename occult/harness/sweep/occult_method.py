@@ -9,7 +9,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from occult.harness.baselines import ExpertWeights, Method, MoEShape, import_error_text, make_method, world_and_rank
+from occult.harness.baselines import ExpertWeights, Method, import_error_text, make_method, world_and_rank
+from occult.shapes import MoEShape
 from occult.harness.sweep.inputs import routing_key
 from occult.harness.sweep.settings import SweepError
 from occult.method_names import OCCULT_OPTIONS, parse_method

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
-from occult.harness.sweep.inputs import derive_seed
+from occult.provenance import derive_seed
 from occult.harness.sweep.points import method_order, order_seed
 from occult.harness.sweep.run import build_parser, default_out_csv
 from occult.harness.sweep.settings import COLUMNS, DEFAULT_SIZES, FAIR_METHODS, SweepError, SweepSettings

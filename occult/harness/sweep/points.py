@@ -15,11 +15,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from occult.harness.baselines import ExpertWeights, Method, MoEShape, world_and_rank
+from occult.harness.baselines import ExpertWeights, Method, world_and_rank
+from occult.shapes import MoEShape
 from occult.harness.sweep.check import agree, error_text, reference_outputs, relative_error
-from occult.harness.sweep.inputs import (
-    InputSet, SharedExpert, TraceShapeError, derive_seed, make_inputs, make_router, occult_placement, routing_key,
-)
+from occult.harness.sweep.inputs import (InputSet, TraceShapeError, make_inputs, make_router, occult_placement, routing_key)
+from occult.shapes import SharedExpert
+from occult.provenance import derive_seed
 from occult.harness.sweep.occult_method import OccultEP, build_method, method_skip_reason
 from occult.harness.sweep.settings import REL_TOLERANCE, SweepSettings
 from occult.harness.sweep.timing import (

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import torch
 
 import occult.harness.sweep as package
-from occult.harness.baselines import get_shape, world_and_rank
+from occult.harness.baselines import world_and_rank
+from occult.shapes import get_shape
 from occult.harness.sweep.points import sweep_shape
 from occult.harness.sweep.settings import (
     COLUMNS, DEFAULT_METHODS, DEFAULT_SIZES, DTYPES, KINDS, ROUTINGS, STREAM_BLOCKS, TIMINGS, VERSION_PACKAGES,

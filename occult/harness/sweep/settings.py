@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from occult.harness.baselines import METHOD_CLASSES, get_shape
+from occult.harness.baselines import METHOD_CLASSES
+from occult.shapes import get_shape
 from occult.method_names import MethodNameError, parse_method
 
 KINDS = ("prefill", "decode", "train")

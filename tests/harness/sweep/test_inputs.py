@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from occult.provenance import derive_seed
+from occult.shapes import get_shape
 from occult import method_names
-from occult.harness import baselines
-from occult.harness.baselines import SHAPES
+from occult.shapes import SHAPES
 from occult.harness.sweep import inputs, settings
 
 
@@ -30,7 +31,7 @@ def test_inputs_are_the_same_for_every_method_and_fresh_per_set():
     assert ids.shape == (32, shape.top_k) and torch.all(weights[:, :-1] >= weights[:, 1:])
     pruned_ids, _ = a.routes[1]
     assert torch.all(placement[pruned_ids] == placement[pruned_ids[:, :1]])   # one device per token
-    assert inputs.derive_seed("x", 1) == inputs.derive_seed("x", 1) != inputs.derive_seed("x", 2)
+    assert derive_seed("x", 1) == derive_seed("x", 1) != derive_seed("x", 2)
 
 
 def write_trace(path: Path, experts: int, top_k: int, tokens: int, seed: int) -> None:
@@ -66,7 +67,7 @@ def test_balanced_placement_bounds_the_busiest_device_where_greedy_does_not(shap
     with every device holding E/D experts and fewer devices per token than the contiguous layout."""
     from occult.ep.plan import contiguous_placement
 
-    shape = baselines.get_shape(shape_name)
+    shape = get_shape(shape_name)
     router = inputs.SyntheticRouter.make(shape, 0)
     greedy = inputs.occult_placement(shape, router, world, 0)
     balanced = inputs.occult_placement(shape, router, world, 0, balanced=True)
@@ -95,11 +96,11 @@ def test_latency_placement_is_predicted_no_slower_than_greedy_or_balanced(shape_
     from occult.routing.latency import LayerCost
     from occult.sim.cost_model_json import builtin_cost_model
 
-    shape = baselines.get_shape(shape_name)
+    shape = get_shape(shape_name)
     router = inputs.SyntheticRouter.make(shape, 0)
     latency = inputs.occult_placement(shape, router, world, 0, latency=True)
     assert torch.bincount(latency, minlength=world).tolist() == [shape.num_experts // world] * world
-    gen = torch.Generator().manual_seed(inputs.derive_seed(0, "calibration", shape.name))
+    gen = torch.Generator().manual_seed(derive_seed(0, "calibration", shape.name))
     ids = router.calibration_ids(inputs.CALIBRATION_TOKENS, shape.top_k, gen).numpy()
     layer = LayerCost(builtin_cost_model()[0], shape)
     mine = layer.predict(ids, latency.numpy(), world).predicted_ms

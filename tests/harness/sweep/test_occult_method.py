@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from occult.harness.baselines import SHAPES
+from occult.shapes import SHAPES
 from occult.harness.sweep import occult_method, settings
 from occult.provenance import REPO_ROOT
 from tests.harness.sweep.test_inputs import write_trace

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import occult.harness.sweep.run as run
-from occult.harness.baselines import SHAPES, Method, make_method
+from occult.harness.baselines import Method, make_method
+from occult.shapes import SHAPES
 from occult.harness.ranks import run_ranks
 from occult.harness.sweep import inputs, points, settings
 from occult.provenance import REPO_ROOT
