@@ -7,7 +7,7 @@ family and pooled with the base models as a random effect.
 
 Per base model b, a claim's contrast y_b (percentage points of the task-averaged accuracy: e.g. the
 mean of the N_d = 2 arms minus standard fine-tuning) and its paired standard error s_b (every arm of
-b answered the same documents: `occult.stages.evaluate.paired_contrast`). Model:
+b answered the same documents: `occult.report.quality.paired_contrast`). Model:
 y_b = mu + u_b + e_b, u_b ~ N(0, tau^2) the base model's own effect, e_b ~ N(0, s_b^2).
 DerSimonian-Laird: w_b = 1 / s_b^2, y_FE = sum w_b y_b / sum w_b, Q = sum w_b (y_b - y_FE)^2,
 tau^2 = max(0, (Q - (B - 1)) / (sum w_b - sum w_b^2 / sum w_b)); then w*_b = 1 / (s_b^2 + tau^2),
@@ -150,7 +150,7 @@ class BaseModel:
 
 def load_arms(base: BaseModel) -> dict[str, dict[str, str]]:
     """arm -> task -> per-document correctness of a run (after its renames)."""
-    from occult.stages.evaluate import load_per_doc
+    from occult.report.quality import load_per_doc
 
     eval_dir = base.run / "evaluate"
     if not eval_dir.is_dir():
@@ -171,7 +171,7 @@ def load_arms(base: BaseModel) -> dict[str, dict[str, str]]:
 def base_estimate(claim: Claim, arms: dict[str, dict[str, str]]) -> tuple[float, float] | None:
     """(contrast, paired standard error) in points on the tasks every arm of the claim answered;
     None where the run lacks an arm of the claim."""
-    from occult.stages.evaluate import paired_contrast
+    from occult.report.quality import paired_contrast
 
     if any(name not in arms for _, name in claim.terms):
         return None

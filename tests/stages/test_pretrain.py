@@ -14,15 +14,8 @@ import torch
 
 from occult.config import load_config
 from occult.models.moe import load_checkpoint, moe_layers
-from occult.stages.pretrain import (
-    EVAL_TOKENS,
-    best_random_placement_ct,
-    heldout_nll,
-    lr_at,
-    null_routing,
-    pair_mutual_information,
-    pretrain,
-)
+from occult.routing.structure import best_random_placement_ct, null_routing, pair_mutual_information
+from occult.stages.pretrain import EVAL_TOKENS, heldout_nll, lr_at, pretrain
 from occult.routing.profiling import coactivation_counts, corpus_windows
 from tests.models.test_moe import tiny_model_cfg, write_standin_data
 

@@ -278,7 +278,7 @@ def _fake_summary(arm: Arm, accs: dict[str, float]) -> dict:
 
 
 def test_summary_table_is_in_paper_order_and_verdicts_follow_the_numbers(tmp_path):
-    from occult.stages.evaluate import claim_verdicts, summarise_arms
+    from occult.report.quality import claim_verdicts, summarise_arms
 
     arms = {"raw": (Arm("raw", 8), 0.55), "sft": (Arm("sft", 8), 0.70),
             "p2r": (Arm("prune2-router", 8), 0.66), "p2s": (Arm("prune2-sim", 8), 0.695),
@@ -307,7 +307,7 @@ def _bits(values) -> str:
 
 
 def test_paired_difference_is_the_mean_per_document_difference():
-    from occult.stages.evaluate import paired_difference
+    from occult.report.quality import paired_difference
 
     rng = np.random.default_rng(0)
     a = {"copa": rng.random(100) < 0.6, "piqa": rng.random(400) < 0.7}
@@ -340,7 +340,7 @@ def test_task_scores_keep_documents_and_check_them_against_the_aggregate():
 def test_verdicts_use_the_paired_error_when_documents_are_kept(tmp_path):
     """The same accuracies: a 1.5-point gain of similarity over router pruning is within 2 errors of
     independent averages but far outside the paired error (the arms differ on 1.5% of documents)."""
-    from occult.stages.evaluate import claim_verdicts, summarise_arms
+    from occult.report.quality import claim_verdicts, summarise_arms
 
     n = 2000
     base = np.arange(n) % 3 == 0                                 # 33.3% correct
@@ -369,7 +369,7 @@ def test_verdicts_use_the_paired_error_when_documents_are_kept(tmp_path):
 def test_ablation_verdicts_and_the_task_that_decides_a_difference(tmp_path):
     """Full vs MoE-only fine-tuning and renormalised vs kept gates get a verdict each; every
     comparison names the task that moves it most and the difference without that task."""
-    from occult.stages.evaluate import claim_verdicts, summarise_arms
+    from occult.report.quality import claim_verdicts, summarise_arms
 
     accs = {Arm("sft", 8): {"copa": 0.70, "piqa": 0.70}, Arm("sft", 8, train_modules="all"): {"copa": 0.80, "piqa": 0.72},
             Arm("prune2-sim", 8): {"copa": 0.69, "piqa": 0.69},
@@ -400,7 +400,7 @@ def test_replicate_table_pairs_two_runs_document_by_document(tmp_path):
     numbers computed directly from the bits. Arms are matched by the spec's names, not by file name."""
     import yaml
 
-    from occult.stages.evaluate import replicate_table
+    from occult.report.quality import replicate_table
 
     rng = np.random.default_rng(1)
     sizes = {"copa": 100, "piqa": 300}
@@ -439,7 +439,7 @@ def test_replicate_table_pairs_two_runs_document_by_document(tmp_path):
     pooled = {t: (f(two["prune1-sim-D8-renormalise-moe"], t) - f(two["sft-moe"], t)
                   + f(one["prune1-sim-D8-keep-moe"], t) - f(one["sft-moe"], t)) / 2 for t in sizes}
     assert (row["pooled"], row["pooled_stderr"]) == pytest.approx(direct(pooled))
-    from occult.stages.evaluate import plot_replicates
+    from occult.report.quality import plot_replicates
 
     plot_replicates(table.reset_index(), tmp_path / "replicates.png")
     assert (tmp_path / "replicates.png").stat().st_size > 1000
