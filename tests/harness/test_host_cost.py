@@ -45,10 +45,9 @@ def test_host_breakdown_needs_a_gpu():
 
 
 def _breakdown_in_a_fresh_process() -> dict[str, float]:
-    # Its own interpreter, as the tool is meant to run: after the other GPU tests in one pytest
-    # process the launcher wrappers were once bypassed (s14 call 5), which host_breakdown reports as
-    # an error rather than as 0 µs. A candidate cause, found in session 18: transformers had imported
-    # a second copy of the kernels (kernels/__init__.py now aliases it; tests/kernels/test_package.py).
+    # Its own interpreter, as the tool is meant to run: after other GPU tests in one pytest process,
+    # a second copy of the kernels (tests/kernels/test_package.py) could bypass the launcher
+    # wrappers, which host_breakdown reports as an error rather than as 0 µs.
     code = ("import json; from occult.harness.host_cost import host_breakdown; "
             "print(json.dumps(host_breakdown(64, repeats=5, warmup=2, hidden=256, ffn=128)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -192,7 +192,7 @@ def test_each_method_is_measured_after_the_previous_ones_are_freed(tmp_path, mon
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [4, 8])
 def test_sweep_runs_at_the_4_and_8_gpu_degrees_on_cpu_ranks(tmp_path, world):
-    """Issue 8's run needs D = 4 and 8: the harness and every Occult variant work at those D on gloo."""
+    """The harness and every Occult variant run at D = 4 and 8 on gloo ranks."""
     out = tmp_path / f"sweep_D{world}.csv"
     methods = ["occult", "occult-static", "occult-pe", "occult-nd2", "occult-nd1", "occult-balanced",
                "occult-latency", "naive"]
