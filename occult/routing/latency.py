@@ -11,6 +11,10 @@ placement of lowest predicted time among the given ones (the other methods' plac
 descends by swaps of two experts between devices, priced incrementally (`_LatencyState`): a
 swap touches two devices' columns of the per-device-pair row table and two devices' loads, so every
 candidate swap of an expert is priced from per-expert tables, not by a pass over the trace.
+
+The search fits the trace it is given, sampling noise in the expert loads included. So it runs on a
+fit part of the trace and the returned placement is the fastest on the rest (`validation_part`):
+of the search result and every start, the one of lowest predicted time on the validation tokens.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from occult.routing.placement import (
 
 DEFAULT_TOKENS_PER_GPU = 16384     # the objective's batch: 2^14 tokens per GPU, forward
 PATH_POINTS = 400                  # at most this many candidates kept of the search's path
+VALIDATION_BLOCKS = 16             # the trace cut into this many runs of consecutive tokens ...
+VALIDATION_EVERY = 4               # ... every 4th of which is the validation part (1/4 of the tokens)
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,11 @@ class LayerCost:
 
 @dataclass
 class LatencyResult:
-    """A latency search: the placement, where it started, what it predicts, and its path."""
+    """A latency search: the placement, where it started, what it predicts, and its path.
+
+    `start`, `final` and `starts` are predictions on the whole trace; `validation` prices the
+    candidates (every start and "search", the search's own result) on the validation part, and
+    `chosen` names the one returned (the fastest there)."""
 
     device_of_expert: np.ndarray
     start_method: str
@@ -118,10 +128,12 @@ class LatencyResult:
     path: dict[str, np.ndarray]    # expected_ct, max_load_over_mean, predicted_ms, accepted: candidates visited
     swaps: int
     seconds: float                 # the search (the start placements are the caller's)
+    validation: dict[str, Prediction] = dataclasses.field(default_factory=dict)
+    chosen: str = "search"
 
     @property
     def gain(self) -> float:
-        """Predicted time of the start over that of the result (≥ 1)."""
+        """Predicted time of the start over that of the result, on the whole trace (> 1: faster)."""
         return self.start.key()[0] / self.final.key()[0]
 
 
@@ -434,18 +446,34 @@ def _descend(state: _LatencyState, rounds: int, rng: np.random.Generator, path: 
     return swaps
 
 
+def validation_part(num_tokens: int) -> np.ndarray:
+    """The validation tokens of a trace of `num_tokens`: cut into `VALIDATION_BLOCKS` runs of
+    consecutive tokens, every `VALIDATION_EVERY`-th run (a quarter of the tokens, spread over the
+    trace, so a trace ordered by document or source gives both parts of each). Fewer than
+    `VALIDATION_BLOCKS` tokens: none (the search then fits and chooses on the whole trace)."""
+    if num_tokens < VALIDATION_BLOCKS:
+        return np.zeros(0, dtype=np.int64)
+    block = np.arange(num_tokens) * VALIDATION_BLOCKS // num_tokens
+    return np.flatnonzero(block % VALIDATION_EVERY == VALIDATION_EVERY - 1)
+
+
 def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, starts: Mapping[str, np.ndarray],
                    rounds: int = 20, seed: int = 0, kicks: int = 4, kick_swaps: int = 3,
-                   path_sample: int = 3, path_points: int = PATH_POINTS) -> LatencyResult:
-    """The placement of lowest predicted layer time found by swap descent from the best of `starts`.
+                   path_sample: int = 3, path_points: int = PATH_POINTS, validate: bool = True) -> LatencyResult:
+    """The placement of lowest predicted layer time: swap descent on the fit part of the trace,
+    then the fastest on its validation part of the descent's result and every start.
 
-    Every start is priced by `layer.predict`; the search begins at the lowest (ties: the first
-    given). Descent as in `swap_search` (each expert in a seeded order, its best swap if it lowers
-    the GPU time, or keeps it and lowers the sum of the devices' times), then `kicks`
-    perturb-and-descend restarts kept when better. The result's predicted time is never above the
-    start's: it is checked with `layer.predict` and the start returned otherwise. `path` holds up
-    to `path_points` of the candidates visited (`path_sample` random ones per expert visit, and
-    every move made): E[C_T] and load of the calibration trace, and predicted time.
+    With `validate` (default), the trace splits into a fit part and a validation part
+    (`validation_part`); otherwise both are the whole trace. The descent begins at the start of
+    lowest predicted time on the fit part (ties: the first given): each expert in a seeded order, its
+    best swap if it lowers the GPU time, or keeps it and lowers the sum of the devices' times, as in
+    `swap_search`; then `kicks` perturb-and-descend restarts, kept when better on the fit part. The
+    descent's result and every start are priced by `layer.predict` on the validation part and the
+    fastest is returned (ties: the first start, the descent last), so the result is never predicted
+    slower there than any start: the search's gains on the fit tokens count only where they carry to
+    tokens it did not fit. `path` holds up to `path_points` of the candidates visited
+    (`path_sample` random ones per expert visit, and every move made): E[C_T] and load of the fit
+    part, and predicted time.
     """
     if not starts:
         raise ValueError("latency_search: no start placement given")
@@ -459,16 +487,24 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
         raise ValueError(f"rounds={rounds}, kicks={kicks} must be >= 0 and kick_swaps={kick_swaps} >= 1")
     checked = {name: _validated_placement(np.asarray(p, dtype=np.int64), num_experts, num_devices, f"starts[{name}]")
                for name, p in starts.items()}
+    if "search" in checked:
+        raise ValueError("starts: 'search' names the search's own result; call the start something else")
     begun = time.perf_counter()
+    held = validation_part(len(ids_NK)) if validate else np.zeros(0, dtype=np.int64)
+    if len(held):
+        fit_NK, valid_NK = np.delete(ids_NK, held, axis=0), ids_NK[held]
+    else:
+        fit_NK = valid_NK = ids_NK
     priced = {name: layer.predict(ids_NK, p, num_devices) for name, p in checked.items()}
-    start_method = min(priced, key=lambda name: priced[name].key())
+    on_fit = {name: layer.predict(fit_NK, p, num_devices) for name, p in checked.items()} if len(held) else priced
+    start_method = min(on_fit, key=lambda name: on_fit[name].key())
     best = checked[start_method]
     rng = np.random.default_rng(seed)
     path = _Path(path_sample, rng) if path_points > 0 else None
     swaps = 0
     if num_devices > 1 and ids_NK.shape[1] >= 1 and rounds > 0:
         with _single_threaded_blas():
-            state = _LatencyState(ids_NK, best, num_devices, layer)
+            state = _LatencyState(fit_NK, best, num_devices, layer)
             swaps += _descend(state, rounds, rng, path)
             best, best_value = state.dev.copy(), state.value()
             for _ in range(kicks):
@@ -482,12 +518,14 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
                 swaps += _descend(state, rounds, rng, path)
                 if state.value() < best_value:
                     best, best_value = state.dev.copy(), state.value()
-    final = layer.predict(ids_NK, best, num_devices)
-    if final.key() > priced[start_method].key():
-        best, final = checked[start_method], priced[start_method]
+    candidates = {**checked, "search": best}
+    validation = {name: layer.predict(valid_NK, p, num_devices) for name, p in candidates.items()}
+    chosen = min(validation, key=lambda name: validation[name].key())
+    placed = candidates[chosen]
+    final = priced[chosen] if chosen in priced else layer.predict(ids_NK, placed, num_devices)
     table = path.table(layer, num_devices, path_points) if path is not None else {}
-    return LatencyResult(best, start_method, priced[start_method], final, priced, table, swaps,
-                         time.perf_counter() - begun)
+    return LatencyResult(placed, start_method, priced[start_method], final, priced, table, swaps,
+                         time.perf_counter() - begun, validation, chosen)
 
 
 def _num_experts(starts: Mapping[str, np.ndarray]) -> int:
