@@ -11,8 +11,8 @@ from occult.config import merge
 from occult.harness.trainbench import main
 from tests.stages.test_quality_prep import BASE, MICRO
 
-# the micro model on a 2 x 16-token batch: each Triton step costs seconds in the interpreter
-SMALL_BATCH = {"pretrain": {"batch_size": 2, "seq_len": 16}}
+# the micro model on one 8-token sequence: each Triton step costs seconds in the interpreter
+SMALL_BATCH = {"pretrain": {"batch_size": 1, "seq_len": 8}}
 
 
 @pytest.fixture(scope="module")
