@@ -1,6 +1,7 @@
 # The latency placement prices layers with the simulate stage's calibrated cost model; without a
 # simulate section, with the model shipped with the package.
-COST_MODEL = f"{RESULTS}/simulate/cost_model.json" if CFG.simulate is not None else None
+COST_MODEL = (f"{RESULTS}/simulate/cost_model.json"
+              if CFG.simulate is not None and "latency" in CFG.placement.methods else None)
 
 
 def cost_model_flag(wildcards, input) -> str:
