@@ -102,7 +102,7 @@ def test_wheel_installs_and_runs_outside_the_checkout(tmp_path):
     _run([occult, "place", "--config", "tiny", "--profile", "profile", "--out", "placement",
           "--table", "placement/expected_ct.csv"], cwd=work, env=env)
     assert sorted(p.name for p in (work / "placement").glob("D*.json")) == sorted(
-        f"D{d}_{m}.json" for d in (2, 4, 8) for m in ("contiguous", "greedy", "swap"))
+        f"D{d}_{m}.json" for d in (2, 4, 8) for m in ("contiguous", "greedy", "swap", "latency"))   # latency: the shipped cost model
     provenance = json.loads((work / "placement" / "D2_greedy.json").read_text())["provenance"]
     assert provenance["commit"].startswith("unknown (installed occult "), provenance["commit"]
     bad = subprocess.run([occult, "place", "--config", "no-such-preset", "--profile", "profile", "--out", "x",
