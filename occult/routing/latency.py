@@ -28,6 +28,7 @@ from typing import Mapping
 import numpy as np
 
 from occult.routing.placement import (
+    kicked,
     _as_ids,
     _check_distinct_rows,
     _experts_per_device,
@@ -508,13 +509,7 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
             swaps += _descend(state, rounds, rng, path)
             best, best_value = state.dev.copy(), state.value()
             for _ in range(kicks):
-                candidate = best.copy()
-                for _ in range(kick_swaps):
-                    a = int(rng.integers(num_experts))
-                    others = np.flatnonzero(candidate != candidate[a])
-                    b = int(others[rng.integers(len(others))])
-                    candidate[a], candidate[b] = candidate[b], candidate[a]
-                state.reset(candidate)
+                state.reset(kicked(best, kick_swaps, rng))
                 swaps += _descend(state, rounds, rng, path)
                 if state.value() < best_value:
                     best, best_value = state.dev.copy(), state.value()

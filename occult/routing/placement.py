@@ -190,19 +190,25 @@ def swap_search(ids_NK: np.ndarray, num_devices: int, init: np.ndarray, rounds: 
         best = state.descend(rounds, rng)
         best_score = _score(ids_NK, best, num_devices)
         for _ in range(kicks):
-            candidate = best.copy()
-            for _ in range(kick_swaps):
-                a = int(rng.integers(num_experts))
-                others = np.flatnonzero(candidate != candidate[a])
-                b = int(others[rng.integers(len(others))])
-                candidate[a], candidate[b] = candidate[b], candidate[a]
-            state.reset(candidate)
+            state.reset(kicked(best, kick_swaps, rng))
             candidate = state.descend(rounds, rng)
             candidate_score = _score(ids_NK, candidate, num_devices)
             if candidate_score <= best_score:
                 best, best_score = candidate, candidate_score
     return best
 
+
+
+def kicked(device_of_expert: np.ndarray, swaps: int, rng: np.random.Generator) -> np.ndarray:
+    """A copy of a placement with `swaps` random swaps of two experts on different devices (the
+    perturbation of the perturb-and-descend searches); balance is kept."""
+    candidate = device_of_expert.copy()
+    for _ in range(swaps):
+        a = int(rng.integers(len(candidate)))
+        others = np.flatnonzero(candidate != candidate[a])
+        b = int(others[rng.integers(len(others))])
+        candidate[a], candidate[b] = candidate[b], candidate[a]
+    return candidate
 
 def _score(ids_NK: np.ndarray, device_of_expert: np.ndarray, num_devices: int) -> tuple[int, int]:
     """Lexicographic objective of the swap search: (total C_T, −intra-device pairs)."""
