@@ -108,20 +108,10 @@ class TutelMoE(GivenRoutingMethod):
         self.group, self.world, self.rank = group, world, rank
         self.num_experts = shape.num_experts
         per_rank = shape.num_experts // world
-        layer = tutel_moe.moe_layer(
-            gate_type={"type": "custom", "module": GivenRoutingGate, "k": shape.top_k, "capacity_factor": 0.0},
-            model_dim=shape.hidden,
-            experts={
-                "type": "llama_ffn",
-                "count_per_node": per_rank,
-                "hidden_size_per_expert": shape.ffn,
-                "activation_fn": F.silu,
-            },
-            group=group,
-            normalize_gate=False,
-            is_postscore=True,
-            a2a_ffn_overlap_degree=1,
-        )
+        # Built on the device: Tutel draws its expert weights (replaced below) where they are
+        # created, which on the host takes seconds per layer of the sizes swept.
+        with torch.device(device):
+            layer = self._build(tutel_moe, shape, group, per_rank)
         w_gate_up, w_down = weights.local(contiguous_experts(shape.num_experts, world, rank), dtype, device)
         ffn = shape.ffn
         experts = layer.experts
@@ -138,6 +128,23 @@ class TutelMoE(GivenRoutingMethod):
         self.layer = layer.to(device=device, dtype=dtype)
         self.gate = self.layer.gates[0]
         self.hidden, self.element_size = shape.hidden, w_down.element_size()
+
+    @staticmethod
+    def _build(tutel_moe, shape: MoEShape, group: dist.ProcessGroup | None, per_rank: int) -> torch.nn.Module:
+        return tutel_moe.moe_layer(
+            gate_type={"type": "custom", "module": GivenRoutingGate, "k": shape.top_k, "capacity_factor": 0.0},
+            model_dim=shape.hidden,
+            experts={
+                "type": "llama_ffn",
+                "count_per_node": per_rank,
+                "hidden_size_per_expert": shape.ffn,
+                "activation_fn": F.silu,
+            },
+            group=group,
+            normalize_gate=False,
+            is_postscore=True,
+            a2a_ffn_overlap_degree=1,
+        )
 
     def expert_parameters(self) -> list[torch.Tensor]:
         return list(self.layer.experts.parameters())
