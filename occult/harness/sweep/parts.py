@@ -11,7 +11,9 @@ sidecar) and their rows are merged into `--out`. A part whose process ends early
 `--part-timeout-s`) is started again on the points it has not written (`--skip-points`): the
 point it was on gets `error: process exited with code N during this point`, and after
 `--restarts` restarts every point still missing gets `error: process exited with code N before
-this point`. Like a method that raises, a lost process is recorded in the rows, not fatal.
+this point`; both end with the process's own last error line where it printed one (`: CUDA error:
+...`; its stderr is passed on as it comes). Like a method that raises, a lost process is recorded
+in the rows, not fatal.
 
     python -m occult.harness.sweep.parts --kind prefill --D 1 --routings synthetic uniform trace \\
         --trace results/.../routing_heldout_sample.npz --grouped-gemm-dir .thirdparty/baselines --out sweep.csv
@@ -23,11 +25,13 @@ import argparse
 import json
 import os
 import random
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,6 +44,10 @@ from occult.method_names import parse_method
 MAIN = "main"
 OWN_OPTIONS = ("methods", "out", "launch", "part_timeout_s", "restarts", "skip_points")
 Point = tuple[str, str, int, str]      # (routing, shape, tokens_per_gpu, method)
+# The one line a stage prints on stderr when it fails (occult.logs.failure_line), a rank's prefix allowed:
+# `occult.sweep: error: <message, its lines joined by " | "> [<Type> at <file:line function>]`.
+ERROR_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?occult[\w.-]*: error: (?P<message>.*?)(?: \[\w+(?: at [^\]]*)?\])?$")
+STATUS_CHARS = 200                      # the longest status a lost point's row gets
 
 
 def process_key(name: str) -> str:
@@ -112,11 +120,12 @@ def run_parts(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     for names in parts.values():          # every part's settings are valid before any starts
         SweepSettings(kind=args.kind, shapes=tuple(args.shapes), methods=tuple(names), world=world, sizes=sizes,
                       out_csv=str(out), routings=tuple(args.routings), trace=args.trace, device=args.device,
-                      dtype=args.dtype, timing=args.timing, grouped_gemm_dir=args.grouped_gemm_dir).validate()
+                      dtype=args.dtype, timing=args.timing, grouped_gemm_dir=args.grouped_gemm_dir,
+                      order_seed=args.order_seed).validate()
     launch = shlex.split(args.launch) if args.launch else (
         ["torchrun", f"--nproc_per_node={world}"] if args.device == "cuda" else [sys.executable])
     common = sweep_argv(parser, args) + ([] if args.D else ["--D", str(world)])
-    order = part_order(list(parts), args.seed, args.kind, world)
+    order = part_order(list(parts), order_base_seed(args), args.kind, world)
     fields = {"kind": args.kind, "D": world, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
               "timing": args.timing, "seq_len": args.seq_len if args.kind == "train" else None}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -134,7 +143,7 @@ def run_parts(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
         meta = {"commit": git_commit(), "stage": "sweep",
                 "command": shlex.join(["python -m occult.harness.sweep.parts", *argv]),
                 "settings": {**vars(args), "out": str(out)},
-                "part_order_seed": derive_seed(args.seed, "parts", args.kind, world), "parts": records}
+                "part_order_seed": derive_seed(order_base_seed(args), "parts", args.kind, world), "parts": records}
         write_csv(out, merged, meta=json.loads(json.dumps(meta, default=str)))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -142,6 +151,11 @@ def run_parts(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     print(f"sweep parts: {len(order)} parts, {lost} processes ended early (their points are error rows); "
           f"{len(merged)} rows in {out}", flush=True)
     return 0
+
+
+def order_base_seed(args: argparse.Namespace) -> int:
+    """The seed the parts' order and each point's method order are drawn from: `--order-seed`, else `--seed`."""
+    return args.seed if args.order_seed is None else args.order_seed
 
 
 def point_sequence(args: argparse.Namespace, methods: Sequence[str], sizes: Sequence[int],
@@ -152,7 +166,7 @@ def point_sequence(args: argparse.Namespace, methods: Sequence[str], sizes: Sequ
                              sizes=tuple(sizes), out_csv="", seq_len=args.seq_len)
     return [(routing, shape, settings.tokens_per_gpu(size), name)
             for routing in args.routings for shape in args.shapes for size in sizes
-            for name in method_order(methods, order_seed(args.seed, routing, shape, size))]
+            for name in method_order(methods, order_seed(order_base_seed(args), routing, shape, size))]
 
 
 def run_part(launch: list[str], common: list[str], methods: Sequence[str], sequence: list[Point], stem: Path,
@@ -172,7 +186,7 @@ def run_part(launch: list[str], common: list[str], methods: Sequence[str], seque
             pd.DataFrame(sorted(done), columns=list(POINT_COLUMNS)).to_csv(skip, index=False)
             command += ["--skip-points", str(skip)]
         print(f"   {shlex.join(command)}", flush=True)
-        code = _run(command, timeout_s)
+        code, last_error = _run(command, timeout_s)
         written = pd.read_csv(csv) if csv.is_file() else pd.DataFrame(columns=list(COLUMNS))
         frames.append(written)
         done |= {(str(r), str(s), int(t), str(m))
@@ -184,30 +198,66 @@ def run_part(launch: list[str], common: list[str], methods: Sequence[str], seque
             break
         lost = missing[:1] if attempt < restarts else missing
         status = "during this point (started again after it)" if attempt < restarts else "before this point"
-        frames.append(error_rows(lost, code, status, shlex.join(command), fields))
+        frames.append(error_rows(lost, code, status, shlex.join(command), fields, last_error))
         done |= set(lost)
     return pd.concat(frames, ignore_index=True), runs
 
 
-def _run(command: list[str], timeout_s: float) -> int:
+def _run(command: list[str], timeout_s: float) -> tuple[int, str]:
+    """Run one process; returns its exit code (124 when `timeout_s` ran out) and the message of the
+    last error line (ERROR_LINE) it printed on stderr, or "". Its stderr is passed on line by line."""
+    process = subprocess.Popen(command, env=os.environ.copy(), stderr=subprocess.PIPE)
+    found: list[str] = []
+    reader = threading.Thread(target=_tee_stderr, args=(process.stderr, found), daemon=True)
+    reader.start()
     try:
-        return subprocess.run(command, timeout=timeout_s or None, env=os.environ.copy()).returncode
+        code = process.wait(timeout=timeout_s or None)
     except subprocess.TimeoutExpired:
-        return 124
+        process.kill()
+        process.wait()
+        code = 124
+    reader.join(timeout=10)              # a rank left running may hold the pipe open: do not wait on it
+    return code, found[-1] if found else ""
+
+
+def _tee_stderr(stream, found: list[str]) -> None:
+    """Copy a child's stderr to ours as it comes, appending the message of each error line to `found`."""
+    for raw in stream:
+        text = raw.decode(errors="replace")
+        sys.stderr.write(text)
+        sys.stderr.flush()
+        message = error_message(text)
+        if message:
+            found.append(message)
+    stream.close()
+
+
+def error_message(line: str) -> str:
+    """The message of a stage's failure line (`occult.sweep: error: CUDA error: ... | ... [Type at ...]`):
+    its first line (`CUDA error: ...`); "" for any other line."""
+    match = ERROR_LINE.match(line.strip())
+    return match.group("message").split(" | ")[0].strip() if match else ""
 
 
 def _read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def error_rows(points: Sequence[Point], code: int, when: str, command: str, fields: dict[str, Any]):
-    """Rows for points a part's process did not write: `error: process exited with code N <when>`."""
+def error_rows(points: Sequence[Point], code: int, when: str, command: str, fields: dict[str, Any],
+               last_error: str = ""):
+    """Rows for points a part's process did not write: `error: process exited with code N <when>`,
+    then `: <last_error>` where the process printed one, the status cut to STATUS_CHARS."""
     import pandas as pd
 
+    status = f"error: process exited with code {code} {when}"
+    if last_error:
+        status = f"{status}: {last_error}"
+        if len(status) > STATUS_CHARS:
+            status = status[:STATUS_CHARS - 3].rstrip() + "..."
     seq_len = fields.get("seq_len")
     rows = [{**fields, "command": command, "routing": routing, "shape": shape, "tokens_per_gpu": tokens,
              "batch": None if fields["kind"] == "prefill" else tokens // (seq_len or 1), "method": name,
-             "status": f"error: process exited with code {code} {when}"}
+             "status": status}
             for routing, shape, tokens, name in points]
     return pd.DataFrame(rows, columns=list(COLUMNS))
 

@@ -62,8 +62,8 @@ def test_a_part_that_dies_is_started_again_and_every_point_gets_a_row(tmp_path):
     assert not frame.duplicated(["routing", "method", "batch"]).any()
     status = frame.set_index(["routing", "method", "batch"])["status"]
     crashed = status[("synthetic", "naive", 5)]
-    assert crashed.startswith("error: process exited with code ") and crashed.endswith("during this point "
-                                                                                     "(started again after it)")
+    assert crashed == ("error: process exited with code 1 during this point (started again after it): "   # the rank's
+                       "rank 0 of 1 died (exit code 9) without a result")                               # death, in its words
     main = frame[frame["method"].isin(["occult", "naive"])].drop(frame.index[(frame["routing"] == "synthetic")
                                                                            & (frame["method"] == "naive")
                                                                            & (frame["batch"] == 5)])
@@ -82,3 +82,47 @@ def test_a_part_that_dies_is_started_again_and_every_point_gets_a_row(tmp_path):
     assert [p["returncode"] for p in ran["tutel"]["processes"]] == [7, 7]
     assert sorted(record["position"] for record in meta["parts"]) == [0, 1, 2]
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name, out.name + ".meta.json"]   # no part left over
+
+
+DYING_CHILD = """
+import sys
+print("RuntimeError: a method's own error, which the sweep survived", file=sys.stderr)
+print("step rows written so far: 0")
+print({line!r}, file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def run_dying_part(tmp_path, line: str, restarts: int = 1):
+    child = tmp_path / "child.py"
+    child.write_text(DYING_CHILD.format(line=line))
+    sequence = [("synthetic", "tiny", 8, "occult"), ("synthetic", "tiny", 8, "naive"), ("synthetic", "tiny", 16, "naive")]
+    fields = {"kind": "prefill", "D": 1, "dtype": "float32", "repeats": 1, "warmup": 0, "timing": "step",
+              "seq_len": None}
+    frame, runs = parts.run_part([sys.executable, str(child)], ["--kind", "prefill"], ["occult", "naive"], sequence,
+                                 tmp_path / "part0", 0.0, restarts, fields)
+    return frame, runs
+
+
+def test_a_lost_points_status_carries_the_processs_last_error_line_and_its_stderr_still_shows(tmp_path, capfd):
+    line = ("occult.sweep: error: CUDA error: an illegal memory access was encountered | Search for "
+            "`cudaErrorIllegalAddress' in the docs | CUDA kernel errors might be asynchronously reported "
+            "[AcceleratorError at occult/harness/ranks.py:229 _release_before_teardown]")
+    frame, runs = run_dying_part(tmp_path, line)
+    assert [run["returncode"] for run in runs] == [1, 1]
+    status = frame.set_index(["tokens_per_gpu", "method"])["status"]
+    error = "CUDA error: an illegal memory access was encountered"
+    assert status[(8, "occult")] == f"error: process exited with code 1 during this point (started again after it): {error}"
+    assert status[(8, "naive")] == status[(16, "naive")] == f"error: process exited with code 1 before this point: {error}"
+    captured = capfd.readouterr()
+    assert captured.err.count(line) == 2 and captured.err.count("a method's own error") == 2   # passed on, both runs
+    assert captured.out.count("step rows written so far: 0") == 2
+
+
+def test_a_long_error_line_is_cut_and_a_process_without_one_keeps_the_plain_status(tmp_path):
+    frame, _ = run_dying_part(tmp_path, "occult.sweep: error: " + "x" * 500 + " [RuntimeError]", restarts=0)
+    assert frame["status"].str.len().max() <= parts.STATUS_CHARS
+    assert frame["status"].str.startswith("error: process exited with code 1 before this point: xxx").all()
+    assert frame["status"].str.endswith("...").all()
+    frame, _ = run_dying_part(tmp_path, "Segmentation fault", restarts=0)
+    assert (frame["status"] == "error: process exited with code 1 before this point").all()
