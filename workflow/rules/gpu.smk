@@ -2,6 +2,7 @@
 # ask for a CSV to measure it, e.g.
 #   snakemake --cores all results/my-gpus/sweeps_v3/sweep_prefill_D2.csv
 #   snakemake --cores all results/my-gpus/sweeps_v3/sweep_prefill_D1_trace.csv   (one routing)
+#   snakemake --cores all results/my-gpus/sweeps_v3/order_check_prefill_D1.csv   (does the order move medians?)
 # On any machine, `rule all` redraws the figures of every committed sweep run (no GPU needed).
 
 
@@ -42,6 +43,42 @@ rule run_gpu_sweep:
         " python -m occult.harness.sweep.parts --launch 'torchrun --nproc_per_node={wildcards.devices} --nnodes=1'"
         " --kind {wildcards.kind} --D {wildcards.devices} --shapes {params.shapes} --methods {params.methods}"
         " --routings {params.routings} --trace {params.trace} --grouped-gemm-dir {params.grouped_gemm_dir}"
+        " --repeats 20 --warmup 5 --timeout-s 120 --out {output.csv} > {log.text} 2>&1"
+
+
+rule run_order_check:
+    # Whether a method's median moves with its place in the order of a point: the same data (one
+    # --seed) at one size per kind (prefill 16384 tokens per GPU, decode batch 64, train batch 8 of
+    # 512 tokens), the three shapes, synthetic routing, run 6 times as fresh processes with order seeds
+    # 0 ... 5 (occult.harness.sweep.order_check); rows carry `replicate`, the CSV is written at the end.
+    output:
+        csv="results/{machine}/sweeps_{version}/order_check_{kind}_D{devices}.csv",
+    params:
+        shapes="olmoe qwen deepseek",
+        methods="occult megablocks megablocks:grouped_gemm=cutlass naive",
+        replicates=6,
+        grouped_gemm_dir=str(Path(workflow.basedir) / ".thirdparty" / "baselines"),   # tools/build_baselines.sh
+    log:
+        text="logs/run_order_check/{machine}_{version}_{kind}_D{devices}.log",
+        json="logs/run_order_check/{machine}_{version}_{kind}_D{devices}.jsonl",
+    benchmark:
+        "benchmarks/run_order_check/{machine}_{version}_{kind}_D{devices}.tsv"
+    wildcard_constraints:
+        kind="prefill|decode|train",
+        devices="[0-9]+",
+    conda:
+        "../../environment.yml"
+    threads: 8
+    resources:
+        gpus=gpus_of_sweep,
+        mem_mb=64000,
+        runtime=90,
+    shell:
+        "OCCULT_LOG_JSON={log.json} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
+        " python -m occult.harness.gpu_slots --gpus {wildcards.devices} --"
+        " python -m occult.harness.sweep.order_check --launch 'torchrun --nproc_per_node={wildcards.devices} --nnodes=1'"
+        " --kind {wildcards.kind} --D {wildcards.devices} --shapes {params.shapes} --methods {params.methods}"
+        " --routing synthetic --replicates {params.replicates} --grouped-gemm-dir {params.grouped_gemm_dir}"
         " --repeats 20 --warmup 5 --timeout-s 120 --out {output.csv} > {log.text} 2>&1"
 
 

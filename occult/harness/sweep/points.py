@@ -32,7 +32,8 @@ Emit = Callable[[dict[str, Any]], None]
 
 
 def order_seed(seed: int, routing: str, shape: str, size: int) -> int:
-    """The seed of the method order at one point (recorded in its rows as `order_seed`)."""
+    """The seed of the method order at one point (recorded in its rows as `order_seed`), from the
+    sweep's order seed (`SweepSettings.order_base_seed`)."""
     return derive_seed(seed, "order", routing, shape, size)
 
 
@@ -125,7 +126,7 @@ def sweep_shape(settings: SweepSettings, shape: MoEShape, routing: str, device: 
             bar.update(1)
         return
     for size in settings.sizes:
-        seed = order_seed(settings.seed, routing, shape.name, size)
+        seed = order_seed(settings.order_base_seed, routing, shape.name, size)
         for position, name in enumerate(method_order(settings.methods, seed)):
             if (size, name) not in todo:
                 continue

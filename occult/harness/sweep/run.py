@@ -69,7 +69,7 @@ def run_sweep(
 
     `tokens_list` are the sizes of the kind: tokens per GPU (prefill), batch = tokens per GPU
     (decode), batch of `seq_len`-token sequences (train). `options` are the other fields of
-    `SweepSettings` (device, dtype, seed, seq_len, input_sets, check_tokens, occult_backend,
+    `SweepSettings` (device, dtype, seed, order_seed, seq_len, input_sets, check_tokens, occult_backend,
     include_shared, command, routings, trace, timing, grouped_gemm_dir). Rank 0 writes `out_csv` (+ `.meta.json`) and prints a table;
     every rank returns the rows.
     """
@@ -192,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the data: router, weights, inputs, placements (and of the order, unless --order-seed)")
+    parser.add_argument("--order-seed", type=int, default=None,
+                        help="seed of the methods' order at each point, apart from the data (default: --seed)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence of the train kind")
     parser.add_argument("--input-sets", type=int, default=3, help="pre-generated input sets rotated over steps")
     parser.add_argument("--check-tokens", type=int, default=64, help="tokens per rank of the correctness check")
@@ -239,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes=tuple(args.sizes or DEFAULT_SIZES[args.kind]),
         out_csv=str(args.out or default_out_csv(args.kind, args.device, world)),
         repeats=args.repeats, warmup=args.warmup, device=args.device, dtype=args.dtype, seed=args.seed,
-        seq_len=args.seq_len, input_sets=args.input_sets, check_tokens=args.check_tokens,
+        order_seed=args.order_seed, seq_len=args.seq_len, input_sets=args.input_sets, check_tokens=args.check_tokens,
         occult_backend=args.occult_backend, include_shared=not args.no_shared, command=command,
         routings=tuple(args.routings), trace=args.trace, host_profile=args.host_profile, timing=args.timing,
         grouped_gemm_dir=args.grouped_gemm_dir, skip_points=args.skip_points,

@@ -64,7 +64,8 @@ class SweepSettings:
     warmup: int = 5
     device: str = "cuda"
     dtype: str = "bfloat16"
-    seed: int = 0
+    seed: int = 0                    # the data: router, weights, inputs, placements
+    order_seed: int | None = None    # the methods' order at each point; None: drawn from `seed`
     seq_len: int = 512
     input_sets: int = 3
     check_tokens: int = 64
@@ -107,6 +108,8 @@ class SweepSettings:
         if self.grouped_gemm_dir and mode and not (Path(self.grouped_gemm_dir) / f"gg-{mode}" / "grouped_gemm").is_dir():
             raise SweepError(f"grouped_gemm_dir: {self.grouped_gemm_dir} has no gg-{mode}/grouped_gemm "
                              "(tools/build_baselines.sh installs both builds there)")
+        if self.order_seed is not None and self.order_seed < 0:
+            raise SweepError(f"order_seed: must be >= 0, got {self.order_seed}")
         if self.warmup < 0:
             raise SweepError(f"warmup: must be >= 0, got {self.warmup}")
         if self.dtype not in DTYPES:
@@ -141,6 +144,11 @@ class SweepSettings:
         """The grouped_gemm build this process's MegaBlocks methods use ("" if none uses one)."""
         modes = {parse_method(name).setting("grouped_gemm") for name in self.methods if _grouped_megablocks(name)}
         return modes.pop() if len(modes) == 1 else ""
+
+    @property
+    def order_base_seed(self) -> int:
+        """The seed the methods' order at every point is drawn from: `order_seed`, else `seed`."""
+        return self.seed if self.order_seed is None else self.order_seed
 
     def tokens_per_gpu(self, size: int) -> int:
         return size * self.seq_len if self.kind == "train" else size
