@@ -13,8 +13,12 @@ swap touches two devices' columns of the per-device-pair row table and two devic
 candidate swap of an expert is priced from per-expert tables, not by a pass over the trace.
 
 The search fits the trace it is given, sampling noise in the expert loads included. So it runs on a
-fit part of the trace and the returned placement is the fastest on the rest (`validation_part`):
-of the search result and every start, the one of lowest predicted time on the validation tokens.
+fit part of the trace and the returned placement is the fastest on the rest (`validation_runs`):
+of the search result and every start, the one of lowest mean predicted time over the held-back
+stretches of the trace, each priced as a batch of its own. A stretch is consecutive tokens, so
+documents and sources whose experts differ weigh as they would in a batch drawn from them, and a
+placement balanced only for the trace's pooled mix does not win on that alone. Stretches shorter
+than `MIN_STRETCH_TOKENS` are priced together.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ DEFAULT_TOKENS_PER_GPU = 16384     # the objective's batch: 2^14 tokens per GPU,
 PATH_POINTS = 400                  # at most this many candidates kept of the search's path
 VALIDATION_BLOCKS = 16             # the trace cut into this many runs of consecutive tokens ...
 VALIDATION_EVERY = 4               # ... every 4th of which is the validation part (1/4 of the tokens)
+MIN_STRETCH_TOKENS = 256           # shorter validation runs are priced together, as one batch
 
 
 @dataclass(frozen=True)
@@ -117,9 +122,10 @@ class LayerCost:
 class LatencyResult:
     """A latency search: the placement, where it started, what it predicts, and its path.
 
-    `start`, `final` and `starts` are predictions on the whole trace; `validation` prices the
-    candidates (every start and "search", the search's own result) on the validation part, and
-    `chosen` names the one returned (the fastest there)."""
+    `start`, `final` and `starts` are predictions on the whole trace; `validation` holds each
+    candidate's (every start and "search", the search's own result) mean predicted time over the
+    validation stretches (ms; `validation_runs`), and `chosen` names the one returned (the fastest
+    there)."""
 
     device_of_expert: np.ndarray
     start_method: str
@@ -129,7 +135,7 @@ class LatencyResult:
     path: dict[str, np.ndarray]    # expected_ct, max_load_over_mean, predicted_ms, accepted: candidates visited
     swaps: int
     seconds: float                 # the search (the start placements are the caller's)
-    validation: dict[str, Prediction] = dataclasses.field(default_factory=dict)
+    validation: dict[str, float] = dataclasses.field(default_factory=dict)
     chosen: str = "search"
 
     @property
@@ -447,32 +453,48 @@ def _descend(state: _LatencyState, rounds: int, rng: np.random.Generator, path: 
     return swaps
 
 
-def validation_part(num_tokens: int) -> np.ndarray:
-    """The validation tokens of a trace of `num_tokens`: cut into `VALIDATION_BLOCKS` runs of
+def validation_runs(num_tokens: int) -> list[np.ndarray]:
+    """The validation stretches of a trace of `num_tokens`: cut into `VALIDATION_BLOCKS` runs of
     consecutive tokens, every `VALIDATION_EVERY`-th run (a quarter of the tokens, spread over the
     trace, so a trace ordered by document or source gives both parts of each). Fewer than
     `VALIDATION_BLOCKS` tokens: none (the search then fits and chooses on the whole trace)."""
     if num_tokens < VALIDATION_BLOCKS:
-        return np.zeros(0, dtype=np.int64)
+        return []
     block = np.arange(num_tokens) * VALIDATION_BLOCKS // num_tokens
-    return np.flatnonzero(block % VALIDATION_EVERY == VALIDATION_EVERY - 1)
+    return [np.flatnonzero(block == b) for b in range(VALIDATION_EVERY - 1, VALIDATION_BLOCKS, VALIDATION_EVERY)]
+
+
+def validation_part(num_tokens: int) -> np.ndarray:
+    """The validation tokens of a trace of `num_tokens`: its `validation_runs`, in order."""
+    runs = validation_runs(num_tokens)
+    return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
+
+
+def stretch_key(layer: LayerCost, stretches: list[np.ndarray], device_of_expert: np.ndarray,
+                num_devices: int) -> tuple[float, float]:
+    """The mean over the stretches (token-id arrays [n, k]), each priced as a batch of its own, of
+    `Prediction.key`: (predicted ms, GPU ms)."""
+    keys = np.array([layer.predict(ids, device_of_expert, num_devices).key() for ids in stretches])
+    return float(keys[:, 0].mean()), float(keys[:, 1].mean())
 
 
 def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, starts: Mapping[str, np.ndarray],
                    rounds: int = 20, seed: int = 0, kicks: int = 4, kick_swaps: int = 3,
                    path_sample: int = 3, path_points: int = PATH_POINTS, validate: bool = True) -> LatencyResult:
     """The placement of lowest predicted layer time: swap descent on the fit part of the trace,
-    then the fastest on its validation part of the descent's result and every start.
+    then the fastest over its validation stretches of the descent's result and every start.
 
     With `validate` (default), the trace splits into a fit part and a validation part
     (`validation_part`); otherwise both are the whole trace. The descent begins at the start of
     lowest predicted time on the fit part (ties: the first given): each expert in a seeded order, its
     best swap if it lowers the GPU time, or keeps it and lowers the sum of the devices' times, as in
     `swap_search`; then `kicks` perturb-and-descend restarts, kept when better on the fit part. The
-    descent's result and every start are priced by `layer.predict` on the validation part and the
-    fastest is returned (ties: the first start, the descent last), so the result is never predicted
-    slower there than any start: the search's gains on the fit tokens count only where they carry to
-    tokens it did not fit. `path` holds up to `path_points` of the candidates visited
+    descent's result and every start are priced on each validation stretch as a batch of its own
+    (`stretch_key`) and the lowest mean is returned (ties: the first start, the descent last), so the
+    result is never predicted slower there than any start: the search's gains on the fit tokens
+    count only where they carry to stretches of tokens it did not fit. Stretches shorter than
+    `MIN_STRETCH_TOKENS` (a sample too small to price a batch's busiest device) are priced together,
+    and without validation the one stretch is the whole trace. `path` holds up to `path_points` of the candidates visited
     (`path_sample` random ones per expert visit, and every move made): E[C_T] and load of the fit
     part, and predicted time.
     """
@@ -491,11 +513,14 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
     if "search" in checked:
         raise ValueError("starts: 'search' names the search's own result; call the start something else")
     begun = time.perf_counter()
-    held = validation_part(len(ids_NK)) if validate else np.zeros(0, dtype=np.int64)
+    runs = validation_runs(len(ids_NK)) if validate else []
+    held = np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
     if len(held):
-        fit_NK, valid_NK = np.delete(ids_NK, held, axis=0), ids_NK[held]
+        fit_NK = np.delete(ids_NK, held, axis=0)
+        long_enough = min(len(run) for run in runs) >= MIN_STRETCH_TOKENS
+        stretches = [ids_NK[run] for run in runs] if long_enough else [ids_NK[held]]
     else:
-        fit_NK = valid_NK = ids_NK
+        fit_NK, stretches = ids_NK, [ids_NK]
     priced = {name: layer.predict(ids_NK, p, num_devices) for name, p in checked.items()}
     on_fit = {name: layer.predict(fit_NK, p, num_devices) for name, p in checked.items()} if len(held) else priced
     start_method = min(on_fit, key=lambda name: on_fit[name].key())
@@ -514,8 +539,9 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
                 if state.value() < best_value:
                     best, best_value = state.dev.copy(), state.value()
     candidates = {**checked, "search": best}
-    validation = {name: layer.predict(valid_NK, p, num_devices) for name, p in candidates.items()}
-    chosen = min(validation, key=lambda name: validation[name].key())
+    keys = {name: stretch_key(layer, stretches, p, num_devices) for name, p in candidates.items()}
+    chosen = min(keys, key=keys.__getitem__)
+    validation = {name: key[0] for name, key in keys.items()}
     placed = candidates[chosen]
     final = priced[chosen] if chosen in priced else layer.predict(ids_NK, placed, num_devices)
     table = path.table(layer, num_devices, path_points) if path is not None else {}

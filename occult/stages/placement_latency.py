@@ -23,7 +23,6 @@ from occult.routing.replicas import add_replicas, predict_replicated, replica_se
 # synthetic preset trace -> the paper model whose layer shape prices it (occult.harness.baselines)
 PRESET_SHAPES = {"synthetic_olmoe": "olmoe", "synthetic_qwen_moe": "qwen", "synthetic_deepseek_moe": "deepseek"}
 DEFAULT_HIDDEN, DEFAULT_FFN = 2048, 1024        # a trace of unknown shape: an OLMoE-sized layer
-TRADEOFF_METHODS = ("contiguous", "greedy", "swap", "load_aware", "eplb", "latency")
 
 
 def trace_shape(name: str, num_experts: int, top_k: int, shape: Any = None):
@@ -88,9 +87,44 @@ def replica_rows(trace: str, layer: str, calib_NK: np.ndarray, heldout_NK: np.nd
     return rows
 
 
+HELDOUT_BLOCKS = 16        # the held-out split cut into runs of consecutive tokens ...
+HELDOUT_RESAMPLES = 200    # ... drawn with replacement this many times for the gain's interval
+
+
+def heldout_gain_interval(heldout_NK: np.ndarray, latency: np.ndarray, others: dict[str, np.ndarray],
+                          layer_cost: LayerCost, num_devices: int, seed: int,
+                          resamples: int = HELDOUT_RESAMPLES, blocks: int = HELDOUT_BLOCKS) -> tuple[float, float]:
+    """95% interval of latency's held-out gain over the best other method (the fastest of `others`
+    on each resample), from a block bootstrap: the held-out split cut into `blocks` runs of
+    consecutive tokens, `resamples` draws of as many runs with replacement. Its width is the
+    sampling error of the held-out comparison; (nan, nan) where the split has fewer tokens than
+    blocks or no other method is given."""
+    if len(heldout_NK) < blocks or not others:
+        return float("nan"), float("nan")
+    runs = np.array_split(np.arange(len(heldout_NK)), blocks)
+    rng = np.random.default_rng(seed)
+    gains = []
+    for _ in range(resamples):
+        ids = heldout_NK[np.concatenate([runs[b] for b in rng.integers(blocks, size=blocks)])]
+        best = min(layer_cost.predict(ids, p, num_devices).predicted_ms for p in others.values())
+        gains.append(best / layer_cost.predict(ids, latency, num_devices).predicted_ms)
+    low, high = np.quantile(gains, [0.025, 0.975])
+    return float(low), float(high)
+
+
+def heldout_verdict(low: float, high: float) -> str:
+    """`faster` or `slower` where the whole interval of the gain lies above or below 1, else
+    `within sampling error` (or `no interval`)."""
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return "no interval"
+    return "faster" if low > 1.0 else "slower" if high < 1.0 else "within sampling error"
+
+
 def latency_summary(study: pd.DataFrame) -> pd.DataFrame:
     """Per (trace, layer, D): the other method of lowest predicted time on the calibration split,
-    its time and latency's on both splits, latency's gain over it (> 1: faster) and its search time."""
+    its time and latency's on both splits, latency's gain over it (> 1: faster), on the held-out
+    split against the fastest other there with the interval of that gain (`heldout_gain_interval`,
+    where the study measured it) and its verdict, and latency's search time."""
     ok = study[(study["status"] == "ok") & (study["layer"].astype(str) != "mean")]
     rows = []
     for (trace, layer, num_devices), group in ok.groupby(["trace", "layer", "D"], sort=False):
@@ -109,6 +143,10 @@ def latency_summary(study: pd.DataFrame) -> pd.DataFrame:
             "best_other_heldout": best_held["method"], "best_other_ms_heldout": best_held["predicted_ms_heldout"],
             "latency_ms_heldout": mine["predicted_ms_heldout"],
             "gain_heldout": best_held["predicted_ms_heldout"] / mine["predicted_ms_heldout"],
+            "gain_heldout_low": mine.get("gain_heldout_low", np.nan),
+            "gain_heldout_high": mine.get("gain_heldout_high", np.nan),
+            "heldout_verdict": heldout_verdict(mine.get("gain_heldout_low", np.nan),
+                                               mine.get("gain_heldout_high", np.nan)),
             "latency_expected_ct_heldout": mine["expected_ct_heldout"],
             "latency_max_device_load_over_mean": mine["max_device_load_over_mean"],
             "latency_seconds": mine["seconds"], "latency_search_seconds": mine.get("search_seconds", np.nan),

@@ -55,7 +55,7 @@ from occult.routing.placement_methods import (
 )
 from occult.provenance import provenance, write_csv
 from occult.stages.placement_latency import (
-    TRADEOFF_METHODS,
+    heldout_gain_interval,
     latency_summary,
     layer_cost_at,
     replica_rows,
@@ -161,12 +161,15 @@ class _LayerPlacer:
         if method == "latency":
             if self.layer_cost is None:
                 raise ValueError("placement method 'latency' needs a layer cost")
-            for name in TRADEOFF_METHODS[:-1]:
-                self.place(name)
+            for name in STUDY_METHODS[:-1]:
+                try:
+                    self.place(name)
+                except ImportError:
+                    continue                # METIS without pymetis: not a start
             starts = {name: placed for name, (placed, _) in self._placed.items()}
             self.latency = latency_search(self.calib_NK, D, self.layer_cost, starts, s.swap_rounds, self.seed,
                                           kicks=s.latency_kicks)
-            start_seconds = sum(self._placed[name][1] for name in TRADEOFF_METHODS[:-1])
+            start_seconds = sum(seconds for _, seconds in self._placed.values())
             return self.latency.device_of_expert, self.latency.seconds + start_seconds
         if method == "swap":
             return self.swap()
@@ -264,6 +267,7 @@ def study_tables(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarr
             layer_cost = layer_cost_at(cost, trace_shape(name, sp.num_experts, top_k, sp.shape), search.tokens_per_gpu,
                                        gpus)
             placer = _LayerPlacer(calib_NK, sp.num_experts, num_devices, search, seed + i, layer_cost)
+            placed_here: dict[str, np.ndarray] = {}
             for method in methods:
                 row: dict[str, Any] = {
                     "trace": name, "layer": str(sp.layers[i]), "D": num_devices, "method": method,
@@ -280,8 +284,15 @@ def study_tables(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarr
                                seconds=seconds, status="ok")
                     if method == "latency":
                         row.update(search_seconds=placer.latency.seconds, start_method=placer.latency.start_method)
+                    placed_here[method] = placed
                 rows.append(row)
                 bar.update(1)
+            if "latency" in placed_here:
+                others = {m: p for m, p in placed_here.items() if m != "latency"}
+                low, high = heldout_gain_interval(heldout_NK, placed_here["latency"], others, layer_cost,
+                                                  num_devices, seed + i)
+                next(r for r in reversed(rows) if r["method"] == "latency").update(
+                    gain_heldout_low=low, gain_heldout_high=high)
             if placer.latency is not None:
                 tradeoff += tradeoff_rows(name, str(sp.layers[i]), num_devices, placer.latency)
                 if num_devices in search.replica_devices:

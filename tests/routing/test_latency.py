@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from occult.shapes import MoEShape, get_shape
-from occult.routing.latency import LayerCost, _LatencyState, default_starts, latency_search, validation_part
+from occult.routing.latency import LayerCost, _LatencyState, default_starts, latency_search, validation_part, validation_runs
 from occult.routing.placement import contiguous, expected_ct
 from occult.routing.placement_methods import synthetic_trace
 from occult.routing.replicas import (
@@ -66,24 +66,30 @@ def test_incremental_state_prices_swaps_as_the_simulator(pass_, num_devices, gpu
 
 
 @pytest.mark.parametrize("shape, num_devices", [("olmoe", 2), ("olmoe", 8), ("deepseek", 4), ("qwen", 4)])
-def test_result_is_the_fastest_candidate_on_the_validation_part(shape, num_devices):
+def test_result_is_the_fastest_candidate_on_the_validation_stretches(shape, num_devices):
     """With the shipped model, on the sweep-like skewed traces: the search starts from the start of
-    lowest time on the fit part, and returns whichever of its result and every start is fastest on
-    the validation part (a quarter of the tokens, not fitted), balanced."""
+    lowest time on the fit part, and returns whichever of its result and every start has the lowest
+    mean time over the validation stretches (four runs of consecutive tokens, not fitted), each
+    priced as a batch of its own; balanced."""
     layer_shape = get_shape(shape)
-    ids = synthetic_trace((layer_shape.num_experts, layer_shape.top_k), 1600, seed=3, skew=1.0)
+    ids = synthetic_trace((layer_shape.num_experts, layer_shape.top_k), 4800, seed=3, skew=1.0)
     layer = LayerCost(builtin_cost_model()[0], layer_shape)
     starts = default_starts(ids, layer_shape.num_experts, num_devices, swap_rounds=3, kicks=1)
     result = latency_search(ids, num_devices, layer, starts, rounds=3, seed=0, kicks=1)
+    runs = validation_runs(len(ids))
     held = validation_part(len(ids))
-    assert len(held) == 400 and len(np.unique(held // 100)) == 4
-    fit, valid = np.delete(ids, held, axis=0), ids[held]
+    assert [len(run) for run in runs] == [300] * 4 and [int(run[0]) for run in runs] == [900, 2100, 3300, 4500]
+    assert np.array_equal(held, np.concatenate(runs))
+    fit = np.delete(ids, held, axis=0)
     on_fit = {name: layer.predict(fit, p, num_devices).key() for name, p in starts.items()}
     assert result.start_method == min(on_fit, key=on_fit.get)
     assert set(result.validation) == {*starts, "search"}
-    again = layer.predict(valid, result.device_of_expert, num_devices)
-    assert again == result.validation[result.chosen]
-    assert all(again.key() <= layer.predict(valid, p, num_devices).key() for p in starts.values())
+
+    def mean_over_runs(placed):
+        return np.mean([layer.predict(ids[run], placed, num_devices).key()[0] for run in runs])
+
+    assert result.validation[result.chosen] == pytest.approx(mean_over_runs(result.device_of_expert), rel=1e-12)
+    assert all(result.validation[result.chosen] <= mean_over_runs(p) * (1 + 1e-12) for p in starts.values())
     assert layer.predict(ids, result.device_of_expert, num_devices) == result.final
     if result.chosen != "search":
         assert np.array_equal(result.device_of_expert, starts[result.chosen])
@@ -211,3 +217,23 @@ def test_validation_keeps_the_search_from_fitting_noise():
     assert fitted.final.predicted_ms < min(p.predicted_ms for p in fitted.starts.values())
     assert layer.predict(unseen, fitted.device_of_expert, 8).predicted_ms > best_start * 1.02
     assert layer.predict(unseen, checked.device_of_expert, 8).predicted_ms <= best_start * 1.001
+
+
+def test_validation_prices_each_stretch_as_its_own_batch():
+    """A trace whose first half routes to experts 0-7 and second half to 8-15: splitting those two
+    sets over the two devices balances the pooled trace as well as mixing them does, but each
+    stretch of it loads one device only; the stretches see that and the mixed placement wins. Runs
+    too short to price a batch are pooled: then the two tie and the first given is kept."""
+    rng = np.random.default_rng(0)
+    first = np.argsort(rng.random((2048, 8)), axis=1)[:, :2]
+    ids = np.concatenate([first, first + 8])
+    layer = LayerCost(builtin_cost_model()[0], MoEShape("halves", 16, 2, 2048, 1024))
+    by_half = np.repeat([0, 1], 8)
+    mixed = np.tile(np.repeat([0, 1], 4), 2)
+    pooled = {name: layer.predict(ids, p, 2) for name, p in (("by_half", by_half), ("mixed", mixed))}
+    assert pooled["by_half"].max_load_over_mean == pytest.approx(1.0, abs=0.01)
+    result = latency_search(ids, 2, layer, {"by_half": by_half, "mixed": mixed}, rounds=0, kicks=0)
+    assert result.chosen == "mixed"
+    assert result.validation["by_half"] > result.validation["mixed"] * 1.2
+    short = latency_search(ids[::8], 2, layer, {"by_half": by_half, "mixed": mixed}, rounds=0, kicks=0)
+    assert short.chosen == "by_half"

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from occult.routing.placement_methods import synthetic_preset
-from occult.stages.placement_latency import latency_summary
+from occult.stages.placement_latency import heldout_gain_interval, heldout_verdict, latency_summary, layer_cost_at
 from occult.stages.placement_study import (
     STUDY_METHODS,
     RoutingSplits,
@@ -72,6 +72,8 @@ def test_latency_tables_show_the_tradeoff_and_never_lose(tmp_path):
     assert (mine <= best_other.loc[mine.index] * (1 + 1e-12)).all()
     summary = latency_summary(tables.study)
     assert len(summary) == 3 * 3 and (summary["gain_calibration"] >= 1 - 1e-12).all()
+    assert (summary["gain_heldout_low"] <= summary["gain_heldout_high"]).all()
+    assert set(summary["heldout_verdict"]) <= {"faster", "slower", "within sampling error"}
     kinds = tables.tradeoff.groupby(["trace", "layer", "D"])["kind"].agg(set)
     assert len(kinds) == 9 and all(k == {"path", "method"} for k in kinds)
     marked = tables.tradeoff[tables.tradeoff["kind"] == "method"]
@@ -168,3 +170,23 @@ def test_cli_on_a_gpu_runs_routing_sample_and_its_figure(tmp_path):
     assert figure.stat().st_size > 1000
     with pytest.raises(FileNotFoundError, match="missing.csv"):
         main(["--plot", str(tmp_path / "missing.csv"), "--figure", str(figure)])
+
+
+def test_heldout_interval_brackets_the_comparison_and_names_a_clear_loss():
+    """The block bootstrap of latency's held-out gain: exactly 1 when latency is the other method's
+    placement; wholly below 1 (`slower`) for a placement that puts the hot experts on one device."""
+    from occult.routing.placement import contiguous
+    from occult.routing.placement_methods import expert_load
+    from occult.shapes import get_shape
+    from occult.sim.cost_model_json import builtin_cost_model
+
+    ids = synthetic_preset("olmoe", 2000, 1, seed=5)[1][0]
+    layer = layer_cost_at(builtin_cost_model()[0], get_shape("olmoe"), 16384, 4)
+    even = contiguous(64, 4)
+    assert heldout_gain_interval(ids, even, {"contiguous": even}, layer, 4, seed=0, resamples=20) == (1.0, 1.0)
+    hot_first = np.empty(64, dtype=np.int64)
+    hot_first[np.argsort(-expert_load(ids, 64))] = np.repeat(np.arange(4), 16)
+    low, high = heldout_gain_interval(ids, hot_first, {"contiguous": even}, layer, 4, seed=0, resamples=20)
+    assert low <= high < 1.0 and heldout_verdict(low, high) == "slower"
+    assert heldout_verdict(0.99, 1.01) == "within sampling error" and heldout_verdict(1.01, 1.02) == "faster"
+    assert np.isnan(heldout_gain_interval(ids[:10], even, {"contiguous": even}, layer, 4, seed=0)).all()
