@@ -103,6 +103,11 @@ def committed_sweep_runs() -> list[tuple[str, str]]:
     return indexed_runs("sweeps", "sweep_*_D*.csv")
 
 
+def committed_order_checks() -> list[tuple[str, str]]:
+    """(machine, version) of every indexed GPU sweep run with order checks: sweeps_<version>/order_check_*_D*.csv."""
+    return indexed_runs("sweeps", "order_check_*_D*.csv")
+
+
 def committed_ep_runs() -> list[tuple[str, str]]:
     """(machine, version) of every indexed EP benchmark run: results/<machine>/ep_<version>/."""
     return indexed_runs("ep", "ep_*_D*.csv")
@@ -127,6 +132,11 @@ def ep_bench_csvs(wildcards) -> list[str]:
     run_dir = Path("results") / wildcards.machine / f"ep_{wildcards.version}"
     comm = run_dir.parent.glob("comm_*/alltoall.csv")      # the machine's own all-to-all curve, if any
     return sorted(str(p) for p in [*run_dir.glob("ep_*_D*.csv"), run_dir / "peak.csv", *comm])
+
+
+def order_check_csvs(wildcards) -> list[str]:
+    run_dir = Path("results") / wildcards.machine / f"sweeps_{wildcards.version}"
+    return sorted(str(p) for p in run_dir.glob("order_check_*_D*.csv"))
 
 
 def gpu_sweep_csvs(wildcards) -> list[str]:
@@ -224,6 +234,7 @@ def final_outputs() -> list[str]:
         *([f"{RESULTS}/quality/tables/accuracy.csv", f"{FIGURES}/quality/accuracy.png"] if CFG.finetune.quality_grid else []),
         f"{RESULTS}/bench/ep_cpu.csv",
         *[f"results/{m}/sweeps_{v}/speedups.csv" for m, v in committed_sweep_runs()],
+        *[f"results/{m}/sweeps_{v}/order_effect.csv" for m, v in committed_order_checks()],
         *[f"results/{m}/ep_{v}/targets.csv" for m, v in committed_ep_runs()],
         *[f"results/{m}/kernels_{v}/summary.csv" for m, v in committed_kernel_runs()],
         *[f"results/{m}/quality_{v}/tables/accuracy.csv" for m, v in committed_quality_runs()],

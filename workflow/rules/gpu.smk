@@ -111,6 +111,34 @@ rule plot_gpu_sweeps:
         " > {log.text} 2>&1"
 
 
+rule summarise_order_check:
+    # The order effect of a run's order checks (occult.report.order_effect): per method and shape the
+    # run-to-run spread, first vs last, the fitted % change per position and the verdict.
+    input:
+        csvs=order_check_csvs,
+    output:
+        table="results/{machine}/sweeps_{version}/order_effect.csv",
+        figure=report(
+            "figures/{machine}/sweeps_{version}_order/order_effect.png",
+            category="GPU latency",
+            caption="../report/order_effect.rst",
+        ),
+    log:
+        text="logs/summarise_order_check/{machine}_{version}.log",
+        json="logs/summarise_order_check/{machine}_{version}.jsonl",
+    benchmark:
+        "benchmarks/summarise_order_check/{machine}_{version}.tsv"
+    conda:
+        "../../environment.yml"
+    threads: 1
+    resources:
+        mem_mb=2000,
+        runtime=10,
+    shell:
+        "OCCULT_LOG_JSON={log.json} python -m occult.report.order_effect {input.csvs} --out {output.table}"
+        " --figure {output.figure} > {log.text} 2>&1"
+
+
 rule plot_ep_bench:
     input:
         csvs=ep_bench_csvs,
