@@ -17,7 +17,8 @@ a slope per method (column `model`). `verdict`: `order effect within spread` whe
 change over the method's range of positions (first to last, `effect_over_range_pct`) is smaller than
 the change between the cell's fastest and slowest replicate (2 x `spread_pct`), else `order moves
 the median`; `order not varied` where the method took one position only (a method alone in its
-process), `no replicates` where the cell has one row.
+process), `too few rows to fit` where no degree of freedom is left for the fit's error, `no
+replicates` where the cell has one row.
 
     python -m occult.report.order_effect results/<machine>/sweeps_<v>/order_check_prefill_D1.csv \\
         [--out .../order_effect.csv] [--figure figures/.../order_effect.png]
@@ -39,8 +40,8 @@ REQUIRED = ("kind", "D", "shape", "tokens_per_gpu", "method", "status", "median_
 POINT = ("kind", "D", "routing", "shape", "tokens_per_gpu")
 CELL = (*POINT, "method")
 DEFAULT_ROUTING = "synthetic"          # rows of files written before the sweep had the column
-WITHIN, MOVES, NOT_VARIED, NO_REPLICATES = ("order effect within spread", "order moves the median",
-                                            "order not varied", "no replicates")
+WITHIN, MOVES, NOT_VARIED, TOO_FEW, NO_REPLICATES = ("order effect within spread", "order moves the median",
+                                                     "order not varied", "too few rows to fit", "no replicates")
 CELL_FE, ADDITIVE_FE = "cell", "point + method"
 
 
@@ -176,8 +177,8 @@ def summarise(rows: pd.DataFrame, effects: pd.DataFrame) -> pd.DataFrame:
     cells = cells.merge(effects, on=["kind", "D", "method"], how="left")
     size = cells["effect_over_range_pct"].abs()
     cells["verdict"] = np.select(
-        [cells["effect_pct_per_position"].isna() | (cells["position_range"] == 0), cells["spread_pct"].isna(),
-         size < 2 * cells["spread_pct"]], [NOT_VARIED, NO_REPLICATES, WITHIN], MOVES)
+        [cells["position_range"] == 0, cells["effect_pct_per_position"].isna(), cells["spread_pct"].isna(),
+         size < 2 * cells["spread_pct"]], [NOT_VARIED, TOO_FEW, NO_REPLICATES, WITHIN], MOVES)
     return cells
 
 

@@ -78,6 +78,14 @@ def test_a_method_alone_in_its_process_is_not_varied(tmp_path):
     assert (table.loc[table["method"] != "fsdp", "position_range"] == 2).all()
 
 
+def test_two_replicates_of_one_shape_leave_too_few_rows_to_fit(tmp_path):
+    frame = order_check_rows(effect=0.0, noise=0.02, seed=8, replicates=2)
+    table = analyse(tmp_path, frame[frame["shape"] == "olmoe"])
+    assert (table["positions"] == 2).any()
+    assert (table["verdict"] == table["positions"].map({1: order_effect.NOT_VARIED, 2: order_effect.TOO_FEW})).all()
+    assert table["effect_pct_per_position"].isna().all() and (table["replicates"] == 2).all()
+
+
 def test_an_ordinary_sweep_with_one_order_per_point_is_fitted_across_points(tmp_path):
     frame = order_check_rows(effect=0.10, noise=0.02, seed=4, replicates=1, sizes=(1024, 4096, 16384, 65536))
     table = analyse(tmp_path, frame.drop(columns=["replicate"]), name="sweep_prefill_D1.csv")
