@@ -153,3 +153,14 @@ def test_slurm_gpu_request_passes_the_plugins_checks():
         job = Job({**profile["default-resources"], **profile["set-resources"][rule]})
         validate_slurm_extra(job)
         assert set_gres_string(job).strip() == f"--gpus={job.resources['gpu']}", rule
+
+
+def test_slurm_profile_gives_gpus_to_every_rule_that_declares_them():
+    """A rule whose resources name `gpus` gets a GPU partition and `gpu` count under SLURM; without
+    one, the cluster would start it on a node with no GPU."""
+    slurm = load_profile("slurm")["set-resources"]
+    declaring = [name for name, block in rule_blocks().items()
+                 if re.search(r"\bgpus\s*=", directive(block, "resources") or "")]
+    assert "run_gpu_sweep" in declaring
+    missing = [name for name in declaring if "gpu" not in slurm.get(name, {})]
+    assert not missing, f"slurm profile: no gpu entry for {missing}"
