@@ -6,6 +6,15 @@
 # On any machine, `rule all` redraws the figures of every committed sweep run (no GPU needed).
 
 
+# Every Occult variant and every exact setting of each baseline (docs/baselines.md): the sweep's
+# methods, and the order check's, so that a method there runs after the same others as here.
+SWEEP_METHODS = (
+    "occult occult-balanced occult-graph occult-graph-balanced occult-nd2 occult-nd1 naive hf fsdp"
+    " megablocks megablocks:grouped_gemm=cutlass megablocks:mlp_impl=sparse"
+    " tutel tutel:adaptive_r=0 tutel:megablocks_size=1 deepspeed deepspeed:use_tutel=1"
+)
+
+
 rule run_gpu_sweep:
     # The fair sweep of one kind at D GPUs: every Occult variant against every exact setting of each
     # baseline (docs/baselines.md), the methods of each point in a seeded random order, one process
@@ -15,9 +24,7 @@ rule run_gpu_sweep:
         csv="results/{machine}/sweeps_{version}/sweep_{kind}_D{devices}{routing}.csv",
     params:
         shapes="olmoe qwen deepseek",
-        methods="occult occult-balanced occult-graph occult-graph-balanced occult-nd2 occult-nd1 naive hf fsdp"
-        " megablocks megablocks:grouped_gemm=cutlass megablocks:mlp_impl=sparse"
-        " tutel tutel:adaptive_r=0 tutel:megablocks_size=1 deepspeed deepspeed:use_tutel=1",
+        methods=SWEEP_METHODS,
         routings=lambda wildcards: wildcards.routing.lstrip("_") or "synthetic uniform trace",
         trace=lambda wildcards: committed_path(EP_TRACE),   # the EP benchmark's trace (gpu_common.smk)
         grouped_gemm_dir=str(Path(workflow.basedir) / ".thirdparty" / "baselines"),   # tools/build_baselines.sh
@@ -50,12 +57,13 @@ rule run_order_check:
     # Whether a method's median moves with its place in the order of a point: the same data (one
     # --seed) at one size per kind (prefill 16384 tokens per GPU, decode batch 64, train batch 8 of
     # 512 tokens), the three shapes, synthetic routing, run 6 times as fresh processes with order seeds
-    # 0 ... 5 (occult.harness.sweep.order_check); rows carry `replicate`, the CSV is written at the end.
+    # 0 ... 5 (occult.harness.sweep.order_check), with the sweep's methods so that each runs after the
+    # same others as in the sweep; rows carry `replicate`, the CSV is written at the end.
     output:
         csv="results/{machine}/sweeps_{version}/order_check_{kind}_D{devices}.csv",
     params:
         shapes="olmoe qwen deepseek",
-        methods="occult megablocks megablocks:grouped_gemm=cutlass naive",
+        methods=SWEEP_METHODS,
         replicates=6,
         grouped_gemm_dir=str(Path(workflow.basedir) / ".thirdparty" / "baselines"),   # tools/build_baselines.sh
     log:
