@@ -129,8 +129,12 @@ def test_the_order_check_target_dry_runs_with_its_gpus_one_rank_per_gpu_and_six_
     assert "resources: " in job and " gpus=2" in job.split("resources: ")[1].splitlines()[0]
     assert "occult.harness.gpu_slots --gpus 2 -- python -m occult.harness.sweep.order_check " in job
     assert "--launch 'torchrun --nproc_per_node=2 --nnodes=1' --kind train --D 2 " in job
-    assert "--replicates 6 " in job and "--methods occult megablocks megablocks:grouped_gemm=cutlass naive " in job
+    assert "--replicates 6 " in job
     command = job.split("python -m occult.harness.sweep.order_check ")[1].split(" > ")[0]
     args = order_check.build_parser().parse_args(shlex.split(command))
+    sweep_job = jobs(snakemake(tmp_path, "-n", "-p", "--workflow-profile", str(PROFILES / "gpu"), "--resources",
+                               "gpus=8", "--", "results/box/sweeps_v1/sweep_train_D2.csv").stdout)["run_gpu_sweep"][0]
+    assert f"--methods {' '.join(args.methods)} " in sweep_job      # the sweep's methods, in its order
+    assert {"occult", "megablocks", "megablocks:grouped_gemm=cutlass", "tutel"} <= set(args.methods)
     assert (args.size, args.shapes, args.routing) == (None, ["olmoe", "qwen", "deepseek"], "synthetic")
     assert order_check.CHECK_SIZES == {"prefill": 16384, "decode": 64, "train": 8}   # the sizes it then runs
