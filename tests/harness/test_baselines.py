@@ -196,3 +196,35 @@ def test_bad_names_and_weights_are_rejected():
         MoEShape("bad", 8, 9, 4, 4)
     with pytest.raises(ValueError, match="not divisible"):
         contiguous_experts(6, 4, 0)
+
+
+def test_tutel_dispatch_index_range_is_checked_once_per_routing(monkeypatch):
+    """Tutel's dispatch kernels index [E x capacity, hidden] with 32-bit ints: a routing whose padded
+    buffer reaches 2^31 elements is refused with the numbers (not left to a CUDA illegal memory
+    access), a smaller one passes; the check runs once per routing tensor, not per timed step."""
+    from occult.harness.baselines import given_routing
+
+    ids = torch.tensor([[0, 1], [0, 2], [0, 3]])
+    assert given_routing.padded_buffer_elements(ids, 4, 8) == (3, 4 * 3 * 8)
+    given_routing.check_tutel_index_range(ids, 4, 2**27, None, 1, "tutel")          # 3 * 2^29 < 2^31
+    with pytest.raises(ValueError, match=r"tutel: .* 4 x 3 x 268435456 = 3221225472 elements >= 2\^31"):
+        given_routing.check_tutel_index_range(ids, 4, 2**28, None, 1, "tutel")
+
+    class Identity(given_routing.GivenRoutingMethod):
+        name, uses_tutel_dispatch, num_experts, group, world = "fake", True, 4, None, 1
+
+        def __init__(self, hidden):
+            self.hidden, self.layer = hidden, lambda x: x
+            self.gate = type("Gate", (), {"route": lambda self, ids, weights: None})()
+
+    calls = []
+    real = given_routing.check_tutel_index_range
+    monkeypatch.setattr(given_routing, "check_tutel_index_range", lambda *a: (calls.append(a), real(*a)))
+    x, weights = torch.randn(3, 5), torch.full((3, 2), 0.5)
+    method = Identity(8)
+    for _ in range(3):
+        torch.testing.assert_close(method.forward(x, ids, weights), x)
+    method.forward(x, ids.clone(), weights)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="2\\^31"):
+        Identity(2**28).forward(x, ids, weights)

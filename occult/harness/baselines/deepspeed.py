@@ -85,6 +85,7 @@ class DeepSpeedMoE(GivenRoutingMethod):
 
     def __init__(self, use_tutel: str | int = 0) -> None:
         self.use_tutel = bool(int(use_tutel))
+        self.uses_tutel_dispatch = self.use_tutel
 
     @property
     def config(self) -> str:

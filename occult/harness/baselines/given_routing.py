@@ -19,6 +19,7 @@ import torch.distributed as dist
 from occult.harness.baselines import Method, import_error_text
 
 TINY_WEIGHT = 1e-30   # a zero gate weight still has to win the library's top-k over the -inf logits
+INT32_INDEX_LIMIT = 2**31   # Tutel's dispatch kernels index their [E * capacity, hidden] buffer with int
 
 
 def given_routing_logits(ids_TK: torch.Tensor | None, weights_TK: torch.Tensor | None, num_experts: int,
@@ -31,6 +32,29 @@ def given_routing_logits(ids_TK: torch.Tensor | None, weights_TK: torch.Tensor |
         raise ValueError(f"{who}: routing has {ids_TK.shape[0]} tokens, input {x_TD.shape[0]}")
     logits_TE = torch.full((x_TD.shape[0], num_experts), float("-inf"), dtype=torch.float32, device=x_TD.device)
     return logits_TE.scatter(1, ids_TK, torch.log(weights_TK.float().clamp_min(TINY_WEIGHT)))
+
+
+def padded_buffer_elements(ids_TK: torch.Tensor, num_experts: int, hidden: int,
+                           group: dist.ProcessGroup | None = None, world: int = 1) -> tuple[int, int]:
+    """(capacity, elements) of the dropless padded dispatch buffer [E * capacity, hidden], capacity
+    being the largest expert load over the group."""
+    load_max = torch.bincount(ids_TK.reshape(-1), minlength=num_experts).max()
+    if world > 1:
+        dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=group)
+    capacity = int(load_max)
+    return capacity, num_experts * capacity * hidden
+
+
+def check_tutel_index_range(ids_TK: torch.Tensor, num_experts: int, hidden: int, group: dist.ProcessGroup | None,
+                            world: int, who: str) -> None:
+    """Raise where Tutel's fast dispatch kernels would index past 2^31: they address element j of
+    a token's row as (expert * capacity + slot) * hidden + j in 32-bit ints, so a padded buffer of
+    2^31 elements or more is read and written out of bounds (a CUDA illegal memory access)."""
+    capacity, elements = padded_buffer_elements(ids_TK, num_experts, hidden, group, world)
+    if elements >= INT32_INDEX_LIMIT:
+        raise ValueError(f"{who}: Tutel's dispatch kernels index the padded [E x capacity, hidden] buffer with "
+                         f"32-bit ints: {num_experts} x {capacity} x {hidden} = {elements} elements >= 2^31 "
+                         "at this routing (capacity: the largest expert load)")
 
 
 class GivenRoutingMethod(Method):
@@ -57,7 +81,15 @@ class GivenRoutingMethod(Method):
         """The library layer's output for `x_TD` (the gate already holds the routing)."""
         return self.layer(x_TD)
 
+    uses_tutel_dispatch = False   # Tutel's fast dispatch kernels encode the tokens (`check_tutel_index_range`)
+
     def forward(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        if self.uses_tutel_dispatch:
+            checked = self.__dict__.setdefault("_checked_routings", set())
+            routing = (ids_TK.data_ptr(), tuple(ids_TK.shape))
+            if routing not in checked:      # once per routing tensor (it syncs the host): in the warm-up
+                check_tutel_index_range(ids_TK, self.num_experts, self.hidden, self.group, self.world, self.name)
+                checked.add(routing)
         self.gate.route(ids_TK, weights_TK)
         try:
             y_TD = self.run_layer(x_TD)
@@ -68,8 +100,6 @@ class GivenRoutingMethod(Method):
 
     def bytes_sent(self, ids_TK: torch.Tensor) -> int | None:
         """Padded dispatch buffer [E, capacity, D]: the (D-1)/D of it bound elsewhere, out and back."""
-        load_max = torch.bincount(ids_TK.reshape(-1), minlength=self.num_experts).max()
-        if self.world > 1:
-            dist.all_reduce(load_max, op=dist.ReduceOp.MAX, group=self.group)
+        capacity, _ = padded_buffer_elements(ids_TK, self.num_experts, self.hidden, self.group, self.world)
         remote_experts = self.num_experts - self.num_experts // self.world
-        return 2 * remote_experts * int(load_max) * self.hidden * self.element_size
+        return 2 * remote_experts * capacity * self.hidden * self.element_size

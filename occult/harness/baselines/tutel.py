@@ -66,6 +66,7 @@ class TutelMoE(GivenRoutingMethod):
     name = "tutel"
     modules = ("tutel", "tutel.moe")
     distribution = "tutel"
+    uses_tutel_dispatch = True
 
     def __init__(self, adaptive_r: str | int = 1, megablocks_size: str | int = 0) -> None:
         self.adaptive_r, self.megablocks_size = int(adaptive_r), int(megablocks_size)
