@@ -9,15 +9,16 @@ method ran first, order_position 0, and where it ran last, the point's last posi
 run-to-run spread `spread_pct`: the relative half-range of the replicates with the fitted order
 effect taken out (each at its value for position 0), so that an order effect does not pass for noise.
 
-The order effect per (kind, D, method): least squares of log(median_ms) on order_position with a
+A method's place is its `point_position` (how many of the point's methods ran before it, over every
+process of `occult.harness.sweep.parts`) where the file has it, else its `order_position` in its
+process. The order effect per (kind, D, method): least squares of log(median_ms) on that place with a
 fixed effect per cell (at the order check's one size and routing: per shape), as % change per
 position with a 95% interval (Student t). Where no cell of a (kind, D) has two positions (an
 ordinary sweep: one order per point), the fixed effects are per point and per method instead, with
 a slope per method (column `model`). `verdict`: `order effect within spread` where the fitted
 change over the method's range of positions (first to last, `effect_over_range_pct`) is smaller than
 the change between the cell's fastest and slowest replicate (2 x `spread_pct`), else `order moves
-the median`; `order not varied` where the method took one position only (a method alone in its
-process), `too few rows to fit` where no degree of freedom is left for the fit's error, `no
+the median`; `order not varied` where the method took one position only, `too few rows to fit` where no degree of freedom is left for the fit's error, `no
 replicates` where the cell has one row.
 
     python -m occult.report.order_effect results/<machine>/sweeps_<v>/order_check_prefill_D1.csv \\
@@ -64,6 +65,8 @@ def read_runs(paths: Sequence[str | Path]) -> pd.DataFrame:
             raise OrderEffectError(f"{path}: no column {missing[0]!r}" + (f" (nor {missing[1:]})" if missing[1:] else ""))
         if frame.empty:
             raise OrderEffectError(f"{path}: no rows")
+        if "point_position" in frame and frame["point_position"].notna().any():
+            frame["order_position"] = frame["point_position"]     # the place over every process of the point
         replicate = frame["replicate"].astype(str) if "replicate" in frame else "0"
         frame = frame.assign(run=f"{index}:" + replicate)
         frame["routing"] = frame["routing"].fillna(DEFAULT_ROUTING) if "routing" in frame else DEFAULT_ROUTING

@@ -6,8 +6,9 @@ processes (`occult.harness.sweep.parts`) with the same `--seed` (the same router
 placements) and its own `--order-seed` 0 ... R-1, so each replicate runs the methods of every point in
 another order. Their rows, each with its `replicate` and `replicate_order_seed`, go into one CSV
 (written once all replicates have run, with a `.meta.json` sidecar); `occult.report.order_effect`
-reads it. Methods that need a process of their own (`parts.process_key`: MegaBlocks on the CUTLASS
-build) are alone in their process, so their place in the order of a point never changes.
+reads it. Methods that need a process of their own (`parts.process_key`: MegaBlocks on each
+build) are alone in their process: their place at a point (`point_position`) changes with the
+order of the processes, which the order seed draws too.
 
     python -m occult.harness.sweep.order_check --kind prefill --D 1 --replicates 6 \\
         --grouped-gemm-dir .thirdparty/baselines --out results/<machine>/sweeps_<v>/order_check_prefill_D1.csv

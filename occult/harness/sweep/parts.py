@@ -1,13 +1,15 @@
 """A sweep whose methods cannot share one process, run as several: `python -m occult.harness.sweep.parts`.
 
-A process imports one grouped_gemm build, and Tutel's kernels can end a process's CUDA context (an
-illegal memory access at 2^16 tokens on an H200), which would lose every method timed after it. So
-the methods are split by `process_key`: the main part (Occult, the naive EP, HF, FSDP, DeepSpeed,
-MegaBlocks on the cuBLAS build and its sparse MLP), MegaBlocks on the CUTLASS build, and the methods
-that run Tutel's kernels (Tutel, DeepSpeed with `use_tutel=1`). Each part is one sweep process
-(`--launch` then `-m occult.harness.sweep ...`, e.g. torchrun on GPUs) with the sweep's own
-arguments, writing a CSV of its own; the parts run in an order drawn from the seed (recorded in the
-sidecar) and their rows are merged into `--out`. A part whose process ends early (a crash, or
+A process imports one grouped_gemm build, a crash in a library's kernels ends a process's CUDA
+context, which would lose every method timed after it, and MegaBlocks timed late in a shared
+process ran slower than timed early (+3.7% per place in the order over one run; 5.08 against
+4.59 ms eighth in the order and with it reversed in another). So the methods are split by `process_key`: the main part (Occult, the
+naive EP, HF, FSDP, DeepSpeed), MegaBlocks on each grouped_gemm build (cuBLAS, with its sparse MLP;
+CUTLASS), each in a process of its own, and the methods that run Tutel's kernels (Tutel, DeepSpeed
+with `use_tutel=1`). Each part is one sweep process (`--launch` then `-m occult.harness.sweep ...`,
+e.g. torchrun on GPUs) with the sweep's own arguments, writing a CSV of its own; the parts run in
+an order drawn from the seed (recorded in the sidecar) and their rows are merged into `--out`, each
+with `point_position`: how many of the point's methods ran before it, over every part. A part whose process ends early (a crash, or
 `--part-timeout-s`) is started again on the points it has not written (`--skip-points`): the
 point it was on gets `error: process exited with code N during this point`, and after
 `--restarts` restarts every point still missing gets `error: process exited with code N before
@@ -51,11 +53,12 @@ STATUS_CHARS = 200                      # the longest status a lost point's row 
 
 
 def process_key(name: str) -> str:
-    """Which process a method runs in: `main`, `grouped_gemm=cutlass` or `tutel` (module doc)."""
+    """Which process a method runs in: `main`, `grouped_gemm=<build>` (MegaBlocks on that build) or
+    `tutel` (module doc)."""
     spec = parse_method(name)
     if spec.system == "tutel" or (spec.system == "deepspeed" and spec.setting("use_tutel") == "1"):
         return "tutel"
-    if spec.system == "megablocks" and spec.setting("mlp_impl") == "grouped" and spec.setting("grouped_gemm") != "cublas":
+    if spec.system == "megablocks":
         return f"grouped_gemm={spec.setting('grouped_gemm')}"
     return MAIN
 
@@ -137,7 +140,8 @@ def run_parts(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
             sequence = point_sequence(args, parts[key], sizes, world)
             frame, runs = run_part(launch, common, parts[key], sequence, scratch / f"part{position}",
                                    args.part_timeout_s, args.restarts, fields)
-            frames.append(frame)
+            offset = sum(len(parts[earlier]) for earlier in order[:position])
+            frames.append(frame.assign(point_position=frame["order_position"] + offset))
             records.append({"part": key, "position": position, "methods": parts[key], "processes": runs})
         merged = pd.concat(frames, ignore_index=True)[list(COLUMNS)]
         meta = {"commit": git_commit(), "stage": "sweep",

@@ -131,7 +131,7 @@ def sweep_shape(settings: SweepSettings, shape: MoEShape, routing: str, device: 
             if (size, name) not in todo:
                 continue
             row = {**base, **_size_fields(settings, size), "method": name, "order_seed": seed,
-                   "order_position": position}
+                   "order_position": position, "point_position": position}
             row.update(run_point(run, name, size))
             emit(row)
             bar.log(routing=routing, shape=shape.name, method=name, size=size, status=row.get("status"),

@@ -40,7 +40,7 @@ VERSION_PACKAGES = ("torch", "triton", "transformers", "megablocks", "grouped_ge
 COLUMNS = (
     "machine", "commit", "command", "kind", "shape", "method", "D", "tokens_per_gpu", "batch", "seq_len",
     "dtype", "median_ms", "p10_ms", "p90_ms", "peak_mem_gib", "bytes_sent", "mean_devices_per_token",
-    "max_rel_err", "status", "routing", "baseline_config", "order_seed", "order_position", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms", "host_ms",
+    "max_rel_err", "status", "routing", "baseline_config", "order_seed", "order_position", "point_position", "pairs_received_max", "dispatch_ms", "experts_ms", "combine_ms", "host_ms",
     "host_probe_us", "host_launch_us", "repeats", "warmup", "timer", "timing", "num_experts", "top_k", "hidden", "ffn",
     "shared_ffn", *(f"version_{name.replace('-', '_')}" for name in VERSION_PACKAGES),
 )

@@ -15,8 +15,9 @@ def test_methods_that_cannot_share_a_process_get_their_own():
     split = parts.split_methods(settings.FAIR_METHODS)
     assert list(split)[0] == parts.MAIN
     assert split["grouped_gemm=cutlass"] == ["megablocks:grouped_gemm=cutlass"]
+    assert split["grouped_gemm=cublas"] == ["megablocks", "megablocks:mlp_impl=sparse"]
     assert split["tutel"] == ["tutel", "tutel:adaptive_r=0", "tutel:megablocks_size=1", "deepspeed:use_tutel=1"]
-    assert "megablocks" in split[parts.MAIN] and "megablocks:mlp_impl=sparse" in split[parts.MAIN]
+    assert not any(name.startswith("megablocks") for name in split[parts.MAIN]) and "deepspeed" in split[parts.MAIN]
     assert sorted(sum(split.values(), [])) == sorted(settings.FAIR_METHODS)
     assert parts.split_methods(["occult", "naive"]) == {parts.MAIN: ["occult", "naive"]}
     keys = list(split)
@@ -81,6 +82,13 @@ def test_a_part_that_dies_is_started_again_and_every_point_gets_a_row(tmp_path):
     assert "--skip-points" in ran[parts.MAIN]["processes"][1]["command"]
     assert [p["returncode"] for p in ran["tutel"]["processes"]] == [7, 7]
     assert sorted(record["position"] for record in meta["parts"]) == [0, 1, 2]
+    before = {record["part"]: sum(len(other["methods"]) for other in meta["parts"]
+                                  if other["position"] < record["position"]) for record in meta["parts"]}
+    placed = frame.dropna(subset=["order_position"])
+    offset = placed["method"].map(lambda name: before[parts.process_key(name)])
+    assert (placed["point_position"] == placed["order_position"] + offset).all()    # the place over every part
+    assert not placed.duplicated(["routing", "batch", "point_position"]).any()
+    assert placed["point_position"].between(0, len(methods) - 1).all()
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name, out.name + ".meta.json"]   # no part left over
 
 
