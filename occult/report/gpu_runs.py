@@ -262,13 +262,27 @@ def plot_speedups(table: pd.DataFrame, path: Path) -> None:
         bars = ax.barh(ys, xs, height=height, color=color, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=2)
     ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks(range(len(groups)), [f"{routing}: {shape}, D={d}, vs {base}" for routing, shape, d, base in groups],
-                  fontsize=7)
+    ax.set_yticks(range(len(groups)), [_speedup_label(sub, key) for key in groups], fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel(f"speedup over the baseline at {REFERENCE_TOKENS} tokens/GPU (prefill; >1: Occult faster)",
                   fontsize=8)
     ax.legend(fontsize=7, loc="lower right")
     _save(fig, path)
+
+
+def _speedup_label(table: pd.DataFrame, key: tuple) -> str:
+    """`<routing>: <shape>, D=<D>, vs <baseline>`, and where several of its settings ran, the one that
+    was fastest there (the one every bar of the row is measured against)."""
+    routing, shape, world, base = key
+    label = f"{routing}: {shape}, D={world}, vs {base}"
+    if "configs_compared" not in table.columns:
+        return label
+    rows = table[(table["routing"] == routing) & (table["shape"] == shape) & (table["D"] == world)
+                 & (table["baseline"] == base)]
+    config = rows["baseline_config"].dropna().astype(str)
+    if len(rows) and rows["configs_compared"].max() > 1 and len(config) and config.iloc[0]:
+        label += f" ({config.iloc[0]}, fastest of {int(rows['configs_compared'].max())})"
+    return label
 
 
 def make_gpu_report(run_dir: Path, figures_dir: Path) -> None:

@@ -187,6 +187,11 @@ def test_sweep_speedups_per_routing_against_each_baselines_fastest_setting():
     assert trace["speedup"] == pytest.approx(4.5 / 3.0)
     assert table.loc[("synthetic", "occult", "tutel"), "baseline_config"] == "capacity_factor=0,adaptive_r=0"
     assert table.loc[("trace", "occult", "tutel"), "speedup"] == pytest.approx(9.0 / 3.0)
+    flat = table.reset_index()
+    assert gpu_report._speedup_label(flat, ("synthetic", "olmoe", 1, "megablocks")) == \
+        "synthetic: olmoe, D=1, vs megablocks (grouped_gemm=cutlass, fastest of 2)"
+    assert gpu_report._speedup_label(flat, ("trace", "olmoe", 1, "megablocks")) == \
+        "trace: olmoe, D=1, vs megablocks (grouped_gemm=cublas, fastest of 2)"
 
 
 def sweep_frame(routings: dict[str, float], methods: dict[str, float], config: dict[str, str] | None = None,
