@@ -402,6 +402,17 @@ def failure_fields(err: BaseException) -> dict[str, Any]:
     }
 
 
+# A `failure_line` as it reaches a parent's pipe, a rank's prefix (`[rank0]:`) allowed.
+FAILURE_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?occult[\w.-]*: error: (?P<message>.*?)(?: \[\w+(?: at [^\]]*)?\])?$")
+
+
+def failure_message(line: str) -> str:
+    """The first line of the message of a `failure_line` (`occult.sweep: error: CUDA error: ... | ...
+    [Type at ...]` gives `CUDA error: ...`); "" for any other line."""
+    match = FAILURE_LINE.match(line.strip())
+    return match.group("message").split(" | ")[0].strip() if match else ""
+
+
 def failure_line(prog: str, err: BaseException, label: str = "error") -> str:
     """The one stderr line of a failure: `<prog>: <label>: <message> [<Type> at <file:line function>]`."""
     where = last_own_frame(err)

@@ -464,12 +464,6 @@ def validation_runs(num_tokens: int) -> list[np.ndarray]:
     return [np.flatnonzero(block == b) for b in range(VALIDATION_EVERY - 1, VALIDATION_BLOCKS, VALIDATION_EVERY)]
 
 
-def validation_part(num_tokens: int) -> np.ndarray:
-    """The validation tokens of a trace of `num_tokens`: its `validation_runs`, in order."""
-    runs = validation_runs(num_tokens)
-    return np.concatenate(runs) if runs else np.zeros(0, dtype=np.int64)
-
-
 def stretch_key(layer: LayerCost, stretches: list[np.ndarray], device_of_expert: np.ndarray,
                 num_devices: int) -> tuple[float, float]:
     """The mean over the stretches (token-id arrays [n, k]), each priced as a batch of its own, of
@@ -485,7 +479,7 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
     then the fastest over its validation stretches of the descent's result and every start.
 
     With `validate` (default), the trace splits into a fit part and a validation part
-    (`validation_part`); otherwise both are the whole trace. The descent begins at the start of
+    (`validation_runs`); otherwise both are the whole trace. The descent begins at the start of
     lowest predicted time on the fit part (ties: the first given): each expert in a seeded order, its
     best swap if it lowers the GPU time, or keeps it and lowers the sum of the devices' times, as in
     `swap_search`; then `kicks` perturb-and-descend restarts, kept when better on the fit part. The

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shlex
 import shutil
 import subprocess
@@ -37,18 +36,17 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
+from occult.logs import failure_message
 from occult.provenance import derive_seed
 from occult.harness.sweep.points import method_order, order_seed
 from occult.harness.sweep.run import build_parser, default_out_csv
-from occult.harness.sweep.settings import COLUMNS, DEFAULT_SIZES, FAIR_METHODS, SweepError, SweepSettings
+from occult.harness.sweep.settings import (COLUMNS, DEFAULT_SIZES, FAIR_METHODS, SweepError, SweepSettings,
+                                           order_base_seed)
 from occult.method_names import parse_method
 
 MAIN = "main"
 OWN_OPTIONS = ("methods", "out", "launch", "part_timeout_s", "restarts", "skip_points")
 Point = tuple[str, str, int, str]      # (routing, shape, tokens_per_gpu, method)
-# The one line a stage prints on stderr when it fails (occult.logs.failure_line), a rank's prefix allowed:
-# `occult.sweep: error: <message, its lines joined by " | "> [<Type> at <file:line function>]`.
-ERROR_LINE = re.compile(r"^(?:\[[^\]]*\]:?\s*)?occult[\w.-]*: error: (?P<message>.*?)(?: \[\w+(?: at [^\]]*)?\])?$")
 STATUS_CHARS = 200                      # the longest status a lost point's row gets
 
 
@@ -128,7 +126,8 @@ def run_parts(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     launch = shlex.split(args.launch) if args.launch else (
         ["torchrun", f"--nproc_per_node={world}"] if args.device == "cuda" else [sys.executable])
     common = sweep_argv(parser, args) + ([] if args.D else ["--D", str(world)])
-    order = part_order(list(parts), order_base_seed(args), args.kind, world)
+    base_seed = order_base_seed(args.seed, args.order_seed)
+    order = part_order(list(parts), base_seed, args.kind, world)
     fields = {"kind": args.kind, "D": world, "dtype": args.dtype, "repeats": args.repeats, "warmup": args.warmup,
               "timing": args.timing, "seq_len": args.seq_len if args.kind == "train" else None}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -147,7 +146,7 @@ def run_parts(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
         meta = {"commit": git_commit(), "stage": "sweep",
                 "command": shlex.join(["python -m occult.harness.sweep.parts", *argv]),
                 "settings": {**vars(args), "out": str(out)},
-                "part_order_seed": derive_seed(order_base_seed(args), "parts", args.kind, world), "parts": records}
+                "part_order_seed": derive_seed(base_seed, "parts", args.kind, world), "parts": records}
         write_csv(out, merged, meta=json.loads(json.dumps(meta, default=str)))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -157,20 +156,16 @@ def run_parts(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: S
     return 0
 
 
-def order_base_seed(args: argparse.Namespace) -> int:
-    """The seed the parts' order and each point's method order are drawn from: `--order-seed`, else `--seed`."""
-    return args.seed if args.order_seed is None else args.order_seed
-
-
 def point_sequence(args: argparse.Namespace, methods: Sequence[str], sizes: Sequence[int],
                    world: int) -> list[Point]:
     """A part's points in the order its process runs them (routing, shape, size, then the seeded
     method order of the point)."""
     settings = SweepSettings(kind=args.kind, shapes=tuple(args.shapes), methods=tuple(methods), world=world,
                              sizes=tuple(sizes), out_csv="", seq_len=args.seq_len)
+    base_seed = order_base_seed(args.seed, args.order_seed)
     return [(routing, shape, settings.tokens_per_gpu(size), name)
             for routing in args.routings for shape in args.shapes for size in sizes
-            for name in method_order(methods, order_seed(order_base_seed(args), routing, shape, size))]
+            for name in method_order(methods, order_seed(base_seed, routing, shape, size))]
 
 
 def run_part(launch: list[str], common: list[str], methods: Sequence[str], sequence: list[Point], stem: Path,
@@ -209,7 +204,7 @@ def run_part(launch: list[str], common: list[str], methods: Sequence[str], seque
 
 def _run(command: list[str], timeout_s: float) -> tuple[int, str]:
     """Run one process; returns its exit code (124 when `timeout_s` ran out) and the message of the
-    last error line (ERROR_LINE) it printed on stderr, or "". Its stderr is passed on line by line."""
+    last failure line (`occult.logs.failure_line`) it printed on stderr, or "". Its stderr is passed on line by line."""
     process = subprocess.Popen(command, env=os.environ.copy(), stderr=subprocess.PIPE)
     found: list[str] = []
     reader = threading.Thread(target=_tee_stderr, args=(process.stderr, found), daemon=True)
@@ -230,17 +225,10 @@ def _tee_stderr(stream, found: list[str]) -> None:
         text = raw.decode(errors="replace")
         sys.stderr.write(text)
         sys.stderr.flush()
-        message = error_message(text)
+        message = failure_message(text)
         if message:
             found.append(message)
     stream.close()
-
-
-def error_message(line: str) -> str:
-    """The message of a stage's failure line (`occult.sweep: error: CUDA error: ... | ... [Type at ...]`):
-    its first line (`CUDA error: ...`); "" for any other line."""
-    match = ERROR_LINE.match(line.strip())
-    return match.group("message").split(" | ")[0].strip() if match else ""
 
 
 def _read_json(path: Path) -> Any:

@@ -50,6 +50,11 @@ class SweepError(ValueError):
     """A sweep argument is invalid; the message names it."""
 
 
+def order_base_seed(seed: int, order_seed: int | None) -> int:
+    """The seed the methods' order is drawn from: `order_seed`, else the data's `seed`."""
+    return seed if order_seed is None else order_seed
+
+
 @dataclass(frozen=True)
 class SweepSettings:
     """Everything a rank needs (inherited by forked CPU ranks, passed to `run_sweep` on GPUs)."""
@@ -147,8 +152,8 @@ class SweepSettings:
 
     @property
     def order_base_seed(self) -> int:
-        """The seed the methods' order at every point is drawn from: `order_seed`, else `seed`."""
-        return self.seed if self.order_seed is None else self.order_seed
+        """The seed the methods' order at every point is drawn from (`order_base_seed`)."""
+        return order_base_seed(self.seed, self.order_seed)
 
     def tokens_per_gpu(self, size: int) -> int:
         return size * self.seq_len if self.kind == "train" else size

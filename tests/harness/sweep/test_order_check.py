@@ -75,7 +75,7 @@ def test_the_parts_runner_follows_the_order_seed_and_passes_it_on():
             "--methods", "occult", "naive", "fsdp", "megablocks", "tutel"]
     for extra, seed in (([], 0), (["--seed", "4"], 4), (["--seed", "4", "--order-seed", "9"], 9)):
         args = parser.parse_args(base + extra)
-        assert parts.order_base_seed(args) == seed
+        assert settings.order_base_seed(args.seed, args.order_seed) == seed
         sequence = parts.point_sequence(args, ["occult", "naive", "fsdp"], [2, 5], 1)
         assert [name for *_, name in sequence[:3]] == points.method_order(["occult", "naive", "fsdp"],
                                                                           points.order_seed(seed, "synthetic", "tiny", 2))
