@@ -3,9 +3,10 @@
 Sweeps (`--run-dir results/<machine>/sweeps_<v>`): reads `sweep_<kind>_D<D>*.csv` (written by
 `occult.harness.sweep` on the GPU machine) and writes to `figures/<machine>/sweeps_<v>/`: latency vs
 tokens per shape (prefill), step time vs batch (train), latency vs batch (decode), one row of panels
-per routing, and speedup bars of Occult against MegaBlocks and Tutel at 2^14 tokens/GPU; plus
-`speedups.csv`. Rows without a routing (files written before the sweep had the column) ran its
-default, synthetic routing.
+per routing, and speedup bars of Occult against MegaBlocks, Tutel and the naive EP at each kind's
+reference point (prefill 2^14 tokens/GPU, training batch 8, decode batch 64); plus `speedups.csv`.
+Rows without a routing (files written before the sweep had the column) ran its default, synthetic
+routing.
 
 EP benchmark (`--ep`, `--run-dir results/<machine>/ep_<v>`, from `workflow/scripts/gpu_ep_bench.sh`):
 reads `ep_<kind>_<routing>_D<D>.csv` and `peak.csv`; writes `summary.csv` (per method and size:
@@ -210,34 +211,43 @@ def plot_kind(frame: pd.DataFrame, kind: str, path: Path) -> None:
     _save(fig, path)
 
 
-SPEEDUP_COLUMNS = ("routing", "shape", "D", "tokens_per_gpu", "occult", "baseline", "baseline_method",
+# The point of each sweep kind at which the speedup table compares the methods: (size column, value).
+# The order check (occult.harness.sweep.order_check) times the same points.
+REFERENCE_SIZES = {"prefill": ("tokens_per_gpu", REFERENCE_TOKENS), "train": ("batch", 8), "decode": ("batch", 64)}
+SIZE_UNITS = {"tokens_per_gpu": "tokens/GPU", "batch": "sequences/GPU"}
+SPEEDUP_COLUMNS = ("kind", "size_column", "size", "routing", "shape", "D", "occult", "baseline", "baseline_method",
                    "baseline_config", "configs_compared", "occult_ms", "baseline_ms", "speedup")
 
 
-def speedups(frame: pd.DataFrame, tokens: int = REFERENCE_TOKENS) -> pd.DataFrame:
-    """Each Occult variant's speedup over each baseline at `tokens` per GPU (prefill), per routing,
-    shape and D. A baseline run in several settings (methods `megablocks`, `megablocks:grouped_gemm=
-    cutlass`, ...) is represented by its fastest setting at that point, named in `baseline_method` and
+def speedups(frame: pd.DataFrame, sizes: dict[str, tuple[str, int]] = REFERENCE_SIZES) -> pd.DataFrame:
+    """Each Occult variant's speedup over each baseline at each kind's reference point (`sizes`:
+    prefill at 16384 tokens per GPU, training at batch 8, decode at batch 64), per routing, shape and
+    D. A baseline run in several settings (methods `megablocks`, `megablocks:grouped_gemm=cutlass`,
+    ...) is represented by its fastest setting at that point, named in `baseline_method` and
     `baseline_config`; `configs_compared` says among how many. Files without a `routing` column hold
     the synthetic routing (the sweep's default before it had one)."""
-    at = (frame["kind"] == "prefill") & (frame["status"] == "ok") & (frame["tokens_per_gpu"] == tokens)
-    ok = with_routing(frame[at])
-    configs = ok.groupby("method")["baseline_config"].first().fillna("") if "baseline_config" in ok.columns else {}
-    ok = replicate_medians(ok, extra_keys=("routing",))
     rows = []
-    for (routing, shape, devices), g in ok.groupby(["routing", "shape", "D"]):
-        times = g.set_index("method")["median_ms"]
-        baselines = pd.DataFrame({"method": [m for m in times.index if not is_occult(m)]})
-        baselines["system"] = [parse_method(m).system for m in baselines["method"]]
-        baselines["ms"] = [times[m] for m in baselines["method"]]
-        for occult in [m for m in times.index if is_occult(m)]:
-            for system, options in baselines.groupby("system", sort=True):
-                fastest = options.loc[options["ms"].idxmin()]
-                rows.append({"routing": routing, "shape": shape, "D": devices, "tokens_per_gpu": tokens,
-                             "occult": occult, "baseline": system, "baseline_method": fastest["method"],
-                             "baseline_config": configs.get(fastest["method"], "") if len(configs) else "",
-                             "configs_compared": len(options), "occult_ms": times[occult],
-                             "baseline_ms": fastest["ms"], "speedup": fastest["ms"] / times[occult]})
+    for kind, (column, size) in sizes.items():
+        if column not in frame.columns:
+            continue
+        at = (frame["kind"] == kind) & (frame["status"] == "ok") & (frame[column] == size)
+        ok = with_routing(frame[at])
+        configs = ok.groupby("method")["baseline_config"].first().fillna("") if "baseline_config" in ok.columns else {}
+        ok = replicate_medians(ok, extra_keys=("routing",))
+        for (routing, shape, devices), g in ok.groupby(["routing", "shape", "D"]):
+            times = g.set_index("method")["median_ms"]
+            baselines = pd.DataFrame({"method": [m for m in times.index if not is_occult(m)]})
+            baselines["system"] = [parse_method(m).system for m in baselines["method"]]
+            baselines["ms"] = [times[m] for m in baselines["method"]]
+            for occult in [m for m in times.index if is_occult(m)]:
+                for system, options in baselines.groupby("system", sort=True):
+                    fastest = options.loc[options["ms"].idxmin()]
+                    rows.append({"kind": kind, "size_column": column, "size": size, "routing": routing,
+                                 "shape": shape, "D": devices, "occult": occult, "baseline": system,
+                                 "baseline_method": fastest["method"],
+                                 "baseline_config": configs.get(fastest["method"], "") if len(configs) else "",
+                                 "configs_compared": len(options), "occult_ms": times[occult],
+                                 "baseline_ms": fastest["ms"], "speedup": fastest["ms"] / times[occult]})
     return pd.DataFrame(rows, columns=list(SPEEDUP_COLUMNS))
 
 
@@ -246,27 +256,36 @@ SPEEDUP_BASELINES = ("megablocks", "tutel", "naive")
 
 
 def plot_speedups(table: pd.DataFrame, path: Path) -> None:
-    """Horizontal bars: per (routing, shape, D, baseline) one bar for each Occult variant of
-    SPEEDUP_BARS (against the baseline's fastest setting)."""
+    """One panel per sweep kind (its reference point), one above the other; horizontal bars: per (routing, shape, D,
+    baseline) one bar for each Occult variant of SPEEDUP_BARS (against the baseline's fastest
+    setting)."""
     sub = table[table["occult"].isin(list(SPEEDUP_BARS)) & table["baseline"].isin(SPEEDUP_BASELINES)]
-    groups = sorted(sub.groupby(["routing", "shape", "D", "baseline"]).groups,
-                    key=lambda key: (key[0], key[1], key[2], SPEEDUP_BASELINES.index(key[3])))
+    kinds = [kind for kind in REFERENCE_SIZES if kind in set(sub["kind"])]
+    panels = {kind: sorted(sub[sub["kind"] == kind].groupby(["routing", "shape", "D", "baseline"]).groups,
+                           key=lambda key: (_routing_rank(key[0]), key[1], key[2], SPEEDUP_BASELINES.index(key[3])))
+              for kind in kinds}
     variants = [v for v in SPEEDUP_BARS if v in set(sub["occult"])]
     height = 0.8 / max(1, len(variants))
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(groups) + 1.2))
-    for offset, variant in enumerate(variants):
-        label, color = SPEEDUP_BARS[variant]
-        values = sub[sub["occult"] == variant].set_index(["routing", "shape", "D", "baseline"])["speedup"]
-        ys = [index + (offset - (len(variants) - 1) / 2) * height for index in range(len(groups))]
-        xs = [values.get(key, float("nan")) for key in groups]
-        bars = ax.barh(ys, xs, height=height, color=color, label=label)
-        ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=2)
-    ax.axvline(1.0, color="k", lw=0.8)
-    ax.set_yticks(range(len(groups)), [_speedup_label(sub, key) for key in groups], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel(f"speedup over the baseline at {REFERENCE_TOKENS} tokens/GPU (prefill; >1: Occult faster)",
-                  fontsize=8)
-    ax.legend(fontsize=7, loc="lower right")
+    counts = [max(1, len(panels[kind])) for kind in kinds] or [1]
+    fig, axes = plt.subplots(len(counts), 1, figsize=(7, 0.45 * sum(counts) + 1.2 * len(counts)), squeeze=False,
+                             gridspec_kw={"height_ratios": counts})
+    for ax, kind in zip(axes[:, 0], kinds):
+        groups = panels[kind]
+        at_kind = sub[sub["kind"] == kind]
+        for offset, variant in enumerate(variants):
+            label, color = SPEEDUP_BARS[variant]
+            values = at_kind[at_kind["occult"] == variant].set_index(["routing", "shape", "D", "baseline"])["speedup"]
+            ys = [index + (offset - (len(variants) - 1) / 2) * height for index in range(len(groups))]
+            xs = [values.get(key, float("nan")) for key in groups]
+            bars = ax.barh(ys, xs, height=height, color=color, label=label)
+            ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=2)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_yticks(range(len(groups)), [_speedup_label(at_kind, key) for key in groups], fontsize=7)
+        ax.set_ylim(len(groups) - 0.5, -0.5)
+        column, size = REFERENCE_SIZES[kind]
+        ax.set_xlabel(f"{kind}: speedup over the baseline at {size} {SIZE_UNITS[column]} (>1: Occult faster)",
+                      fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
     _save(fig, path)
 
 

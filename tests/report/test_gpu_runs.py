@@ -96,6 +96,24 @@ def test_sweep_speedups_by_hand():
     assert ("occult", "occult-graph") not in table.index                  # Occult variants are not baselines
 
 
+def test_sweep_speedups_at_each_kinds_reference_point():
+    """Prefill at 16384 tokens per GPU, training at batch 8, decode at batch 64; other sizes are not in
+    the table."""
+    times = {("prefill", 16384, None): (2.0, 3.0), ("prefill", 4096, None): (1.0, 9.0),
+             ("train", 4096, 8): (4.0, 5.0), ("train", 8192, 16): (4.0, 9.0),
+             ("decode", 64, 64): (0.5, 2.0), ("decode", 8, 8): (0.5, 9.0)}
+    rows = [{"kind": kind, "status": "ok", "tokens_per_gpu": tokens, "batch": batch, "shape": "qwen", "D": 1,
+             "method": method, "median_ms": ms}
+            for (kind, tokens, batch), pair in times.items() for method, ms in zip(("occult", "naive"), pair)]
+    table = gpu_report.speedups(pd.DataFrame(rows)).set_index("kind")
+    assert sorted(table.index) == ["decode", "prefill", "train"]
+    assert table.loc["prefill", ["size_column", "size"]].tolist() == ["tokens_per_gpu", 16384]
+    assert table.loc["train", ["size_column", "size"]].tolist() == ["batch", 8]
+    assert table.loc["prefill", "speedup"] == pytest.approx(1.5)
+    assert table.loc["train", "speedup"] == pytest.approx(1.25)
+    assert table.loc["decode", "speedup"] == pytest.approx(4.0)
+
+
 def test_sweep_speedups_use_the_median_of_replicates():
     """Two processes' files of one sweep in a run: each point's median over its replicates."""
     rows = [{"kind": "prefill", "status": "ok", "tokens_per_gpu": 16384, "shape": "olmoe", "D": 1,
