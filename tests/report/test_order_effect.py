@@ -127,7 +127,8 @@ def test_bad_input_names_the_file_and_column_and_writes_nothing(tmp_path, damage
 
 def test_a_committed_run_with_an_order_check_adds_its_summary_to_the_default_dag(tmp_path):
     """`rule all` summarises the order checks of indexed runs (rule summarise_order_check), beside the
-    run's sweep figures; the committed tree has none yet, and the default DAG still builds."""
+    run's sweep figures, and never measures it again; in the committed tree, one job per run holding
+    an order check."""
     from tests.workflow.test_gpu_targets import jobs
     from tests.workflow.test_workflow import REPO, dry_run
 
@@ -146,4 +147,6 @@ def test_a_committed_run_with_an_order_check_adds_its_summary_to_the_default_dag
     assert "python -m occult.report.order_effect results/gpu-a/sweeps_v1/order_check_prefill_D1.csv " in job
     assert "--figure figures/gpu-a/sweeps_v1_order/order_effect.png" in job
     assert "plot_gpu_sweeps" in jobs(out.stdout) and "run_order_check" not in jobs(out.stdout)   # never measured again
-    assert "summarise_order_check" not in jobs(dry_run("--forceall", "-p").stdout)   # none committed yet
+    committed = sorted(str(p.parent) for p in (REPO / "results").glob("*/sweeps_*/order_check_*_D*.csv"))
+    tree = dry_run("--forceall", "-p")
+    assert committed and len(jobs(tree.stdout).get("summarise_order_check", [])) == len(set(committed))
