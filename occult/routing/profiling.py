@@ -405,16 +405,38 @@ def load_routing(path: str | Path) -> RoutingRecord:
     return RoutingRecord(a["ids"], a["sources"], tuple(str(s) for s in a["source_names"]), a["layers"])
 
 
-def sample_routing(src: str | Path, dst: str | Path, tokens: int) -> RoutingRecord:
-    """Save the first `tokens` tokens of the routing file `src` (whole profiling windows, in their
-    order) to `dst`, compressed and in the smallest integer types: a real trace small enough to
-    come back from a GPU machine (16,384 tokens of a 30-layer top-8 model: about 3 MB). `dst`
-    reads back with `load_routing`."""
+SAMPLE_STRETCHES = 16    # runs of consecutive tokens in a routing sample (the placement study's bootstrap blocks)
+
+
+def spread_indices(total: int, tokens: int, stretches: int = SAMPLE_STRETCHES) -> np.ndarray:
+    """The indices of `tokens` of `total` tokens taken as `stretches` runs of consecutive tokens
+    spread evenly over all of them (the first run starts at 0, the last ends at `total`; the first
+    `tokens % stretches` runs are one token longer): a sample whose mix of documents and sources
+    follows the whole split's, where its first tokens hold only its first documents. All tokens
+    where `tokens >= total`."""
+    if tokens >= total:
+        return np.arange(total, dtype=np.int64)
+    stretches = max(1, min(stretches, tokens))
+    lengths = np.array([tokens // stretches + (i < tokens % stretches) for i in range(stretches)])
+    gaps = (np.arange(stretches) * (total - tokens)) // max(1, stretches - 1)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) + gaps
+    return np.concatenate([np.arange(a, a + n) for a, n in zip(starts, lengths)]).astype(np.int64)
+
+
+def sample_routing(src: str | Path, dst: str | Path, tokens: int, stretches: int = SAMPLE_STRETCHES) -> RoutingRecord:
+    """Save `tokens` tokens of the routing file `src` to `dst` as `stretches` runs of consecutive
+    tokens spread evenly over the whole file (`spread_indices`; 1: its first tokens), compressed
+    and in the smallest integer types: a real trace small enough to come back from a GPU machine
+    (16,384 tokens of a 30-layer top-8 model: about 3 MB) whose sources are mixed as in the whole
+    split. `dst` reads back with `load_routing`."""
     if tokens < 1:
         raise ValueError(f"sample_routing: tokens={tokens} must be at least 1")
+    if stretches < 1:
+        raise ValueError(f"sample_routing: stretches={stretches} must be at least 1")
     record = load_routing(src)
-    ids = record.ids[:, :tokens]
-    sources = record.sources[:tokens]
+    keep = spread_indices(record.ids.shape[1], tokens, stretches)
+    ids = record.ids[:, keep]
+    sources = record.sources[keep]
 
     def smallest(array: np.ndarray) -> np.ndarray:
         return array.astype(np.uint8 if array.size == 0 or (array.min() >= 0 and array.max() < 256) else np.int32)

@@ -436,8 +436,9 @@ def _meta(stage: str, traces: Mapping[str, Any], devices: Sequence[int] | None, 
 def load_profile_splits(profile_dir: str | Path, max_tokens: int | None = None, shape: Any = None) -> RoutingSplits:
     """Our model's routing from a profile directory: routing_{calibration,heldout}.npz, or where
     those are absent the samples a GPU run returns (routing_{calibration,heldout}_sample.npz,
-    `occult.routing.profiling.sample_routing`)."""
-    from occult.routing.profiling import load_profile, load_routing
+    `occult.routing.profiling.sample_routing`); `max_tokens` keeps that many of each split, in runs
+    spread over it (`occult.routing.profiling.spread_indices`)."""
+    from occult.routing.profiling import load_profile, load_routing, spread_indices
 
     profile_dir = Path(profile_dir)
 
@@ -454,11 +455,13 @@ def load_profile_splits(profile_dir: str | Path, max_tokens: int | None = None, 
         num_experts = load_profile(profile_file).num_experts
     else:
         num_experts = int(max(calib.ids.max(), heldout.ids.max())) + 1
-    cut = slice(None, max_tokens)
+    calib_cut = spread_indices(calib.ids.shape[1], max_tokens or calib.ids.shape[1])
+    heldout_cut = spread_indices(heldout.ids.shape[1], max_tokens or heldout.ids.shape[1])
     return RoutingSplits(
-        calib_LNK=calib.ids[:, cut].astype(np.int64), heldout_LNK=heldout.ids[:, cut].astype(np.int64),
+        calib_LNK=calib.ids[:, calib_cut].astype(np.int64), heldout_LNK=heldout.ids[:, heldout_cut].astype(np.int64),
         num_experts=num_experts, layers=tuple(int(layer) for layer in calib.layers),
-        calib_sources=calib.sources[cut].astype(np.int64), heldout_sources=heldout.sources[cut].astype(np.int64),
+        calib_sources=calib.sources[calib_cut].astype(np.int64),
+        heldout_sources=heldout.sources[heldout_cut].astype(np.int64),
         source_names=calib.source_names, shape=shape,
     )
 
@@ -521,7 +524,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--synthetic", nargs="*", default=list(SYNTHETIC_SHAPES), choices=list(SYNTHETIC_SHAPES))
     parser.add_argument("--synthetic-tokens", type=int, default=6000, help="tokens per split and layer")
     parser.add_argument("--synthetic-layers", type=int, default=2)
-    parser.add_argument("--max-profile-tokens", type=int, help="cap on each split of the profile traces")
+    parser.add_argument("--max-profile-tokens", type=int, help="cap on each split of the profile traces (16 runs of consecutive tokens spread over the split)")
     parser.add_argument("--sensitivity-methods", nargs="*", default=list(SENSITIVITY_METHODS), choices=STUDY_METHODS)
     parser.add_argument("--sensitivity-devices", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.2, 0.5, 1.0])

@@ -23,6 +23,7 @@ from occult.routing.profiling import (
     read_corpus,
     route_windows,
     sample_routing,
+    spread_indices,
 )
 from tests.models.test_moe import EOT, tiny_model_cfg, write_standin_data
 
@@ -94,12 +95,15 @@ def test_profile_writes_consistent_counts(workspace, tmp_path):
     assert set(meta["files"]["profile.npz"]["arrays"]) == {
         "coactivation", "load", "logit_gram", "logit_sum", "tokens", "layers", "top_k", "num_experts"}
 
-    # a sample of the trace reads back equal to the first tokens of the whole trace
-    sampled = sample_routing(tmp_path / "routing_heldout.npz", tmp_path / "sample.npz", 120)
+    # a sample of the trace reads back equal to its runs of the whole trace; one run: the first tokens
+    sampled = sample_routing(tmp_path / "routing_heldout.npz", tmp_path / "sample.npz", 120, stretches=4)
     back = load_routing(tmp_path / "sample.npz")
-    assert back.ids.dtype == np.uint8 and np.array_equal(back.ids, held.ids[:, :120])
-    assert np.array_equal(back.sources, held.sources[:120]) and back.source_names == held.source_names
-    assert np.array_equal(back.layers, held.layers) and np.array_equal(sampled.ids, held.ids[:, :120])
+    keep = np.concatenate([np.arange(0, 30), np.arange(90, 120), np.arange(180, 210), np.arange(270, 300)])
+    assert back.ids.dtype == np.uint8 and np.array_equal(back.ids, held.ids[:, keep])
+    assert np.array_equal(back.sources, held.sources[keep]) and back.source_names == held.source_names
+    assert np.array_equal(back.layers, held.layers) and np.array_equal(sampled.ids, held.ids[:, keep])
+    first = sample_routing(tmp_path / "routing_heldout.npz", tmp_path / "first.npz", 120, stretches=1)
+    assert np.array_equal(first.ids, held.ids[:, :120])
     with pytest.raises(ValueError, match="tokens=0"):
         sample_routing(tmp_path / "routing_heldout.npz", tmp_path / "none.npz", 0)
     assert not (tmp_path / "none.npz").exists()
@@ -190,3 +194,24 @@ def test_read_corpus_keeps_unicode_line_separators_inside_texts(tmp_path):
     path.write_text("".join(json.dumps({"source": "s", "text": t}, ensure_ascii=False) + "\n" for t in texts),
                     encoding="utf-8")
     assert read_corpus(path) == [("s", t) for t in texts]
+
+
+@pytest.mark.parametrize("total,tokens,stretches", [(1000, 160, 16), (1000, 17, 16), (50, 7, 16), (10, 10, 4),
+                                                    (10, 25, 4), (99, 90, 3)])
+def test_spread_indices_take_equal_runs_from_the_whole_split(total, tokens, stretches):
+    keep = spread_indices(total, tokens, stretches)
+    assert len(keep) == min(tokens, total) and len(np.unique(keep)) == len(keep)
+    assert keep[0] == 0 and keep[-1] == total - 1 and np.all(np.diff(keep) > 0)
+    runs = np.split(keep, np.flatnonzero(np.diff(keep) > 1) + 1)
+    lengths = [len(run) for run in runs]
+    assert len(runs) <= stretches and max(lengths) - min(lengths) <= 1 or len(runs) == 1
+
+
+def test_a_spread_sample_mixes_sources_as_the_whole_split_does():
+    """Documents come in source blocks (a long one first): the first tokens hold one source, runs
+    spread over the split hold each in its share."""
+    sources = np.repeat([0, 1, 2, 3], [4000, 3000, 2000, 1000])
+    first, spread = sources[:1024], sources[spread_indices(len(sources), 1024)]
+    whole = np.bincount(sources, minlength=4) / len(sources)
+    assert np.bincount(first, minlength=4)[0] == 1024
+    assert np.abs(np.bincount(spread, minlength=4) / 1024 - whole).max() < 0.05

@@ -65,7 +65,7 @@ def test_predictions_on_a_recorded_trace(tmp_path):
     occult, naive = mean.loc[("occult", 2, 256)], mean.loc[("naive", 2, 256)]
     assert occult["mean_devices_per_token"] == pytest.approx(1.0) and naive["mean_devices_per_token"] == pytest.approx(2.0)
     assert naive["speedup_vs_naive"] == pytest.approx(1.0)
-    assert occult["model_ms"] == pytest.approx(occult["layer_ms"] * occult["moe_layers"])
+    assert occult["model_ms"] == pytest.approx(occult["layer_ms"] * occult["moe_layers"], rel=1e-5)   # 6 digits in the CSV
     nd1 = table[table["method"] == "occult-nd1"]
     assert len(nd1) and nd1["status"].str.contains("needs the router's logits").all()
     with pytest.raises(SimulateError, match="routes over 8 experts, shape olmoe has 64"):
