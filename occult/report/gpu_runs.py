@@ -256,11 +256,12 @@ SPEEDUP_BASELINES = ("megablocks", "tutel", "naive")
 
 
 def plot_speedups(table: pd.DataFrame, path: Path) -> None:
-    """One panel per sweep kind (its reference point), one above the other; horizontal bars: per (routing, shape, D,
-    baseline) one bar for each Occult variant of SPEEDUP_BARS (against the baseline's fastest
-    setting)."""
+    """One panel per sweep kind (at its reference point), one above the other, of horizontal bars:
+    per (routing, shape, D, baseline) one bar for each Occult variant of SPEEDUP_BARS (against the
+    baseline's fastest setting)."""
     sub = table[table["occult"].isin(list(SPEEDUP_BARS)) & table["baseline"].isin(SPEEDUP_BASELINES)]
-    kinds = [kind for kind in REFERENCE_SIZES if kind in set(sub["kind"])]
+    present = set(sub["kind"])
+    kinds = [kind for kind in REFERENCE_SIZES if kind in present] + sorted(present - set(REFERENCE_SIZES))
     panels = {kind: sorted(sub[sub["kind"] == kind].groupby(["routing", "shape", "D", "baseline"]).groups,
                            key=lambda key: (_routing_rank(key[0]), key[1], key[2], SPEEDUP_BASELINES.index(key[3])))
               for kind in kinds}
@@ -282,7 +283,7 @@ def plot_speedups(table: pd.DataFrame, path: Path) -> None:
         ax.axvline(1.0, color="k", lw=0.8)
         ax.set_yticks(range(len(groups)), [_speedup_label(at_kind, key) for key in groups], fontsize=7)
         ax.set_ylim(len(groups) - 0.5, -0.5)
-        column, size = REFERENCE_SIZES[kind]
+        column, size = at_kind["size_column"].iloc[0], at_kind["size"].iloc[0]
         ax.set_xlabel(f"{kind}: speedup over the baseline at {size} {SIZE_UNITS[column]} (>1: Occult faster)",
                       fontsize=8)
         ax.legend(fontsize=7, loc="lower right")
