@@ -455,8 +455,10 @@ def load_profile_splits(profile_dir: str | Path, max_tokens: int | None = None, 
         num_experts = load_profile(profile_file).num_experts
     else:
         num_experts = int(max(calib.ids.max(), heldout.ids.max())) + 1
-    calib_cut = spread_indices(calib.ids.shape[1], max_tokens or calib.ids.shape[1])
-    heldout_cut = spread_indices(heldout.ids.shape[1], max_tokens or heldout.ids.shape[1])
+    def kept(total: int) -> slice | np.ndarray:
+        return slice(None) if max_tokens is None or max_tokens >= total else spread_indices(total, max_tokens)
+
+    calib_cut, heldout_cut = kept(calib.ids.shape[1]), kept(heldout.ids.shape[1])
     return RoutingSplits(
         calib_LNK=calib.ids[:, calib_cut].astype(np.int64), heldout_LNK=heldout.ids[:, heldout_cut].astype(np.int64),
         num_experts=num_experts, layers=tuple(int(layer) for layer in calib.layers),
