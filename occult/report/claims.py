@@ -353,7 +353,7 @@ def evaluate(claim: Claim) -> Row:
     what = f"{claim.spread['column']} values" if claim.spread else "runs"
     count = len(readings) if claim.spread else len(claim.runs)
     if claim.spread and len(claim.runs) > 1:
-        what = f"{claim.spread['column']} values x {len(claim.runs)} runs"
+        what = f"readings ({claim.spread['column']} values of {len(claim.runs)} runs)"
     row.values["our_spread"] = (f"[{_fmt(min(readings))}, {_fmt(max(readings))}] over {count} {what}"
                                 if len(readings) > 1 else "one run")
     row.values["verdict"] = ("reproduced" if all(passes) else "refuted" if not any(passes) else "mixed")

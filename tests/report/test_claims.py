@@ -102,6 +102,21 @@ def test_spread_over_a_column_and_a_reference_bound(tmp_path):
     assert "Contiguous placement: 2.8" in row["note"]
 
 
+def test_spread_over_a_column_of_several_runs_counts_each_run_s_own_values(tmp_path):
+    new, old = tmp_path / "v3", tmp_path / "v2"
+    for run, table in ((new, {"synthetic": 1.5, "uniform": 1.7, "trace": 1.6}), (old, {"synthetic": 1.4})):
+        run.mkdir()
+        pd.DataFrame([{"routing": r, "speedup": v} for r, v in table.items()]).to_csv(run / "speedups.csv", index=False)
+    entry = {"id": "s", "claim": "faster", "unit": "x", "paper": {"value": 1.7, "source": "fig. X"},
+             "latest": str(new), "earlier": [str(old)], "holds_if": {"above": 1.45},
+             "measure": {"point": {"file": "speedups.csv", "where": {"routing": "synthetic"}, "column": "speedup"}},
+             "spread": {"column": "routing"}}
+    (row,) = run_claims(tmp_path, [entry]).to_dict("records")
+    assert row["our_value"] == pytest.approx(1.5)                 # the headline keeps its own where
+    assert row["our_spread"] == "[1.4, 1.7] over 4 readings (routing values of 2 runs)"
+    assert row["verdict"] == "mixed" and "3 of 4 readings" in row["note"]
+
+
 def test_a_claim_without_runs_is_not_measurable_and_says_why(tmp_path):
     entry = {"id": "d4", "claim": "1.70x at D=4", "unit": "speedup, x", "paper": {"value": 1.7, "source": "fig. X"},
              "unmeasured": "needs 4 GPUs: run rule run_gpu_sweep at D=4"}
