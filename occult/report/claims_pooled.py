@@ -70,6 +70,15 @@ class FamilyRow:
     between_base_sd_pp: float
     base_models: int
     verdict: str
+    inheritance_index: float = float("nan")
+    inheritance_basis: str = ""
+
+    @property
+    def inheritance(self) -> str:
+        """`inheritance index I (basis)` of the family's routing, or "" where its table has none."""
+        if math.isnan(self.inheritance_index):
+            return ""
+        return f"inheritance index {self.inheritance_index:.2f} ({self.inheritance_basis})"
 
     @property
     def spread(self) -> str:
@@ -86,7 +95,7 @@ class FamilyRow:
 
     def summary(self) -> str:
         return (f"{self.family} family ({self.run}): {self.estimate_pp:+.3g} {self.spread}, "
-                f"pooled verdict {self.verdict}")
+                f"pooled verdict {self.verdict}" + (f", {self.inheritance}" if self.inheritance else ""))
 
 
 @dataclass(frozen=True)
@@ -102,7 +111,7 @@ class PooledReading:
         """Which family decides, whether it is provisional, and the other families as context."""
         test = self.test
         parts = [f"Model family {test.family}: {test.base_models} base model{'s' if test.base_models > 1 else ''}, "
-                 f"pooled verdict {test.verdict}"]
+                 f"pooled verdict {test.verdict}" + (f"; its routing's {test.inheritance}" if test.inheritance else "")]
         if test.base_models == 1:
             parts.append("Provisional: one base model")
         if test.family != "drop":
@@ -135,7 +144,9 @@ def family_rows(claim: str, tables: list[tuple[str, str, pd.DataFrame]]) -> list
             try:
                 found[family] = FamilyRow(run, path, family, float(record["estimate_pp"]), float(record["stderr_pp"]),
                                           float(record["between_base_sd_pp"]), int(record["base_models"]),
-                                          str(record["verdict"]))
+                                          str(record["verdict"]), float(record.get("inheritance_index", math.nan)),
+                                          "" if pd.isna(record.get("inheritance_basis")) else
+                                          str(record.get("inheritance_basis", "")))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"{path}: claim {claim!r}, family {family!r}: {err}") from None
     rank = {family: i for i, family in enumerate(FAMILY_PRECEDENCE)}

@@ -33,6 +33,12 @@ Inputs: run folders laid out as a quality run (`evaluate/<arm>.json` with per-do
 spec YAML naming them per family (`--spec`), or one family's folders (`--family F --runs DIR...`).
 A spec may rename a run's arms (`rename: {file arm: arm it is}`), for runs whose arm names meant
 another setting at the time.
+
+Each family's rows also carry how far its base models' routing follows the expert groups of
+virtual-group upcycling (`inheritance_index`: the mean over base models of the held-out layer-mean
+index of `occult.routing.inheritance`, 0 = random, 1 = every token in one group;
+`inheritance_basis`: `inherited` for virtual-group models, `reference` for models without initial
+groups; `inheritance_base_models`: how many base models had a table; NaN and 0 where none had).
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from occult.logs import ENV_LOG_JSON, run_main
 MARGIN_PP = 1.0
 MIN_STDERR_PP = 1e-6
 COLUMNS = ["model_family", "claim", "estimate_pp", "stderr_pp", "between_base_sd_pp", "base_models", "verdict"]
+INHERITANCE_COLUMNS = ["inheritance_index", "inheritance_basis", "inheritance_base_models"]
 BASE_COLUMNS = ["model_family", "claim", "base_model", "estimate_pp", "stderr_pp"]
+INHERITANCE_FILES = ("tables/inheritance.csv", "placement/inheritance.csv")
 KINDS = ("near", "below", "above", "either")
 
 
@@ -182,11 +190,42 @@ def base_estimate(claim: Claim, arms: dict[str, dict[str, str]]) -> tuple[float,
     return 100.0 * result[0], 100.0 * result[1]
 
 
+def run_inheritance(run: Path) -> tuple[float, str] | None:
+    """(held-out layer-mean inheritance index, basis) from a run's inheritance table
+    (`occult.routing.inheritance`: `tables/inheritance.csv` of a committed run,
+    `placement/inheritance.csv` of a base model's folder); None where the run has none."""
+    path = next((run / name for name in INHERITANCE_FILES if (run / name).is_file()), None)
+    if path is None:
+        return None
+    table = pd.read_csv(path, comment="#", dtype={"layer": str})
+    means = table[table["layer"] == "mean"]
+    if "split" in means.columns and (means["split"] == "heldout").any():
+        means = means[means["split"] == "heldout"]
+    if means.empty:
+        raise ValueError(f"{path}: no layer 'mean' row (occult.routing.inheritance writes one per split)")
+    return float(means["inheritance_index"].iloc[0]), str(means["basis"].iloc[0])
+
+
+def family_inheritance(bases: list[BaseModel]) -> dict[str, float | str | int]:
+    """The `INHERITANCE_COLUMNS` of a family: the mean held-out inheritance index over the base
+    models that have a table, their basis (`inherited`, `reference`, or `mixed`) and how many."""
+    found = [r for r in (run_inheritance(base.run) for base in bases) if r is not None]
+    if not found:
+        return {"inheritance_index": float("nan"), "inheritance_basis": "", "inheritance_base_models": 0}
+    bases_seen = {basis for _, basis in found}
+    return {"inheritance_index": float(np.mean([index for index, _ in found])),
+            "inheritance_basis": bases_seen.pop() if len(bases_seen) == 1 else "mixed",
+            "inheritance_base_models": len(found)}
+
+
 def pooled_tables(families: dict[str, list[BaseModel]], devices: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(the pooled table in `COLUMNS`, the per-base estimates in `BASE_COLUMNS`); a claim no base
-    model of a family measured is left out for that family."""
+    """(the pooled table in `COLUMNS` + `INHERITANCE_COLUMNS`, the per-base estimates in
+    `BASE_COLUMNS`); a claim no base model of a family measured is left out for that family. The
+    inheritance columns repeat on every row of a family: how far its base models' routing still
+    follows the virtual groups (`run_inheritance`)."""
     rows, base_rows = [], []
     for family, bases in families.items():
+        inheritance = family_inheritance(bases)
         loaded = [(base, load_arms(base)) for base in bases]
         for claim in claims_at(devices):
             per_base = []
@@ -201,8 +240,9 @@ def pooled_tables(families: dict[str, list[BaseModel]], devices: int) -> tuple[p
             mu, se, tau = pool([y for y, _ in per_base], [s for _, s in per_base])
             rows.append({"model_family": family, "claim": claim.name, "estimate_pp": mu, "stderr_pp": se,
                          "between_base_sd_pp": tau, "base_models": len(per_base),
-                         "verdict": verdict(claim, mu, se, per_base)})
-    return pd.DataFrame(rows, columns=COLUMNS), pd.DataFrame(base_rows, columns=BASE_COLUMNS)
+                         "verdict": verdict(claim, mu, se, per_base), **inheritance})
+    return (pd.DataFrame(rows, columns=COLUMNS + INHERITANCE_COLUMNS),
+            pd.DataFrame(base_rows, columns=BASE_COLUMNS))
 
 
 def read_spec(path: Path) -> tuple[dict[str, list[BaseModel]], int]:

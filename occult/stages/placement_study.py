@@ -3,7 +3,10 @@
 `run_study` places each layer of each trace (calibration split) with each method for each D
 that divides E, and measures on the held-out split: E[C_T], its bounds, E[C_T] in nodes, the
 intra-device pair share, max/mean device load, the predicted layer time (on both splits) and the
-time taken. With `latency` it also writes the search's trade-off path (E[C_T] against load, with
+time taken. Every row also carries how far the layer's held-out routing follows the expert groups
+of virtual-group upcycling (expert j in group j mod E/k: `occult.routing.inheritance`), the
+groups a token spans and the share in its main group beside their random-routing values, and the
+inheritance index; for a model without initial groups these are a control near the random value. With `latency` it also writes the search's trade-off path (E[C_T] against load, with
 every start marked) and the latency placement with R = 0, 1, 2 spare slots per device
 (`occult.stages.placement_latency`). `sensitivity` measures how
 E[C_T] on held-out text depends on the calibration size (prefixes of the calibration trace) and
@@ -256,6 +259,7 @@ def study_tables(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarr
     rows: list[dict[str, Any]] = []
     tradeoff: list[dict[str, Any]] = []
     replicas: list[dict[str, Any]] = []
+    group_columns: dict[tuple[str, int], dict[str, float]] = {}
     with progress(len(jobs) * len(methods), desc="placement study", unit="placement") as bar:
         for name, i, num_devices in jobs:
             sp = all_splits[name]
@@ -268,11 +272,14 @@ def study_tables(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarr
                                        gpus)
             placer = _LayerPlacer(calib_NK, sp.num_experts, num_devices, search, seed + i, layer_cost)
             placed_here: dict[str, np.ndarray] = {}
+            if (name, i) not in group_columns:
+                group_columns[name, i] = inheritance_columns(heldout_NK, sp.num_experts)
+            groups = group_columns[name, i]
             for method in methods:
                 row: dict[str, Any] = {
                     "trace": name, "layer": str(sp.layers[i]), "D": num_devices, "method": method,
                     "num_experts": sp.num_experts, "top_k": top_k, "gpus_per_node": gpus,
-                    "lower_bound": lower, "upper_bound": upper,
+                    "lower_bound": lower, "upper_bound": upper, **groups,
                 }
                 try:
                     placed, seconds = placer.place(method)
@@ -302,6 +309,24 @@ def study_tables(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarr
     frame = pd.DataFrame(rows)
     study = pd.concat([frame, _mean_rows(frame)], ignore_index=True)
     return StudyTables(study, pd.DataFrame(tradeoff), pd.DataFrame(replicas))
+
+
+def inheritance_columns(heldout_NK: np.ndarray, num_experts: int) -> dict[str, float]:
+    """The layer's held-out routing against the virtual-group map (`occult.routing.inheritance`):
+    groups spanned and main-group share with their random-routing values, and the inheritance
+    index; NaN where k does not divide E (no such map)."""
+    from occult.routing.inheritance import random_routing_expectation, token_group_stats, virtual_group_map
+
+    top_k = heldout_NK.shape[1]
+    names = ("groups_spanned", "groups_spanned_random", "main_group_share", "main_group_share_random",
+             "inheritance_index")
+    if num_experts % top_k:
+        return dict.fromkeys(names, float("nan"))
+    groups_E = virtual_group_map(num_experts, top_k)
+    spanned, share = token_group_stats(heldout_NK, groups_E)
+    spanned_random, share_random = random_routing_expectation(groups_E, top_k)
+    index = (share - share_random) / (1 - share_random) if share_random < 1 else 0.0
+    return dict(zip(names, (spanned, spanned_random, share, share_random, index)))
 
 
 def _mean_rows(frame: pd.DataFrame) -> pd.DataFrame:

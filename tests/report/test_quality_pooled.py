@@ -12,6 +12,7 @@ import yaml
 
 from occult.report.quality_pooled import (
     COLUMNS,
+    INHERITANCE_COLUMNS,
     MARGIN_PP,
     BaseModel,
     claims_at,
@@ -85,13 +86,40 @@ def test_consistent_base_models_settle_a_claim(tmp_path):
     shifts = {"prune1-router-D8-keep-moe": -0.03, "prune1-sim-D8-keep-moe": -0.03, "raw": -0.02}
     runs = [write_run(tmp_path, f"b{i}", shifts, seed=i) for i in range(2)]
     table, bases = pooled_tables({"family": [BaseModel(r) for r in runs]}, devices=8)
-    assert list(table.columns) == COLUMNS
+    assert list(table.columns) == COLUMNS + INHERITANCE_COLUMNS
+    assert table["inheritance_base_models"].eq(0).all() and table["inheritance_index"].isna().all()
     row = table.set_index("claim").loc["N_d=1 hurts (kept gates)"]
     assert row["estimate_pp"] == pytest.approx(-3.0, abs=1e-9) and row["base_models"] == 2
     assert row["between_base_sd_pp"] == pytest.approx(0.0) and row["verdict"] == "holds"
     assert table.set_index("claim").loc["N_d=2 near SFT (kept gates)", "verdict"] == "holds"
     assert table.set_index("claim").loc["SFT beats the raw model", "verdict"] == "holds"
     assert len(bases) == 2 * len(table)
+
+
+def write_inheritance(path, heldout_index: float, basis: str, calibration_index: float = 0.9) -> None:
+    """An inheritance table (occult.routing.inheritance's columns that the pooled table reads)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"split": split, "layer": layer, "basis": basis, "inheritance_index": value}
+            for split, mean in (("calibration", calibration_index), ("heldout", heldout_index))
+            for layer, value in (("0", mean - 0.1), ("1", mean + 0.1), ("mean", mean))]
+    pd.DataFrame(rows).to_csv(path, index=False)
+
+
+def test_each_family_carries_its_base_models_inheritance(tmp_path):
+    groups = [write_run(tmp_path, f"g{i}", {}, seed=i) for i in range(3)]
+    drop = [write_run(tmp_path, f"d{i}", {}, seed=10 + i) for i in range(2)]
+    write_inheritance(groups[0] / "tables" / "inheritance.csv", 0.5, "inherited")      # a committed run
+    write_inheritance(groups[1] / "placement" / "inheritance.csv", 0.4, "inherited")   # a base model's folder
+    write_inheritance(drop[0] / "placement" / "inheritance.csv", 0.02, "reference")
+    write_inheritance(drop[1] / "placement" / "inheritance.csv", -0.04, "reference")
+    table, _ = pooled_tables({"virtual_groups": [BaseModel(r) for r in groups],
+                              "drop": [BaseModel(r) for r in drop]}, devices=8)
+    families = table.groupby("model_family")[INHERITANCE_COLUMNS].agg(lambda c: c.unique().tolist())
+    assert families.loc["virtual_groups", "inheritance_index"] == [pytest.approx(0.45)]     # held-out means, g2 has none
+    assert families.loc["virtual_groups", "inheritance_basis"] == ["inherited"]
+    assert families.loc["virtual_groups", "inheritance_base_models"] == [2]
+    assert families.loc["drop", "inheritance_index"] == [pytest.approx(-0.01)]
+    assert families.loc["drop", "inheritance_basis"] == ["reference"]
 
 
 def test_between_base_spread_that_dominates_leaves_a_claim_unsettled_or_mixed(tmp_path):
@@ -137,7 +165,7 @@ def test_cli_reads_a_spec_and_writes_the_table_bases_and_figure(tmp_path):
     out = tmp_path / "tables" / "verdicts_pooled.csv"
     assert main(["--spec", str(spec), "--out", str(out), "--figure", str(tmp_path / "pooled.png")]) == 0
     table = pd.read_csv(out)
-    assert list(table.columns) == COLUMNS and set(table["model_family"]) == {"drop", "virtual_groups"}
+    assert list(table.columns) == COLUMNS + INHERITANCE_COLUMNS and set(table["model_family"]) == {"drop", "virtual_groups"}
     assert pd.read_csv(tmp_path / "tables" / "verdicts_pooled_bases.csv")["base_model"].nunique() == 2
     assert (tmp_path / "pooled.png").stat().st_size > 1000
     assert main(["--family", "drop", "--runs", str(runs[0]), "--out", str(tmp_path / "one.csv")]) == 0

@@ -84,6 +84,27 @@ def test_latency_tables_show_the_tradeoff_and_never_lose(tmp_path):
     assert at_one["predicted_ms_heldout"].nunique() == 1          # D = 1: every placement is the same
 
 
+def test_every_row_carries_its_layer_s_inheritance_against_the_virtual_group_map():
+    """Routing that keeps each token in one virtual group (expert j in group j mod E/k) has index 1
+    on every row of its layer, whatever the method or D; k not dividing E gives NaN."""
+    num_experts, top_k, tokens = 16, 4, 300
+    rng = np.random.default_rng(0)
+    group_NK = rng.integers(0, num_experts // top_k, tokens)[:, None]
+    in_group_NK = group_NK + (num_experts // top_k) * np.arange(top_k)[None, :]    # the k experts of one group
+    random_NK = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(tokens)])
+    splits = RoutingSplits(np.stack([in_group_NK, random_NK]), np.stack([in_group_NK, random_NK]), num_experts,
+                           layers=(0, 1))
+    odd = RoutingSplits(random_NK[None, :, :3], random_NK[None, :, :3], num_experts, layers=(0,))
+    table = study_tables({"grouped": splits, "k3": odd}, [2, 4], ["contiguous", "greedy"], 0, FAST).study
+    rows = table[table["trace"] == "grouped"].set_index("layer")
+    assert rows.loc["0", "inheritance_index"].eq(1.0).all() and rows.loc["0", "groups_spanned"].eq(1.0).all()
+    assert rows.loc["0", "main_group_share_random"].nunique() == 1
+    assert rows.loc["1", "inheritance_index"].abs().max() < 0.15       # random routing: near 0
+    assert rows.loc["mean", "inheritance_index"].to_numpy() == pytest.approx(
+        (1.0 + rows.loc["1", "inheritance_index"].iloc[0]) / 2)
+    assert table.loc[table["trace"] == "k3", "inheritance_index"].isna().all()
+
+
 def test_run_study_rejects_unknown_method(tmp_path):
     with pytest.raises(ValueError, match="methods: 'random'"):
         run_study({"a": synthetic_preset("olmoe", 50, 1, 0)}, [2], ["random"], tmp_path / "x.csv", 0)

@@ -177,11 +177,16 @@ def committed_routing_samples(wildcards) -> list[str]:
 
 
 def pooled_inputs(wildcards) -> dict[str, list[str] | str]:
-    """A committed run's pooled.yaml and the evaluations of every run it names (docs/quality.md)."""
+    """A committed run's pooled.yaml, the evaluations of every run it names (docs/quality.md) and
+    the inheritance table of each that keeps routing samples (rule quality_inheritance)."""
     from occult.report.quality_pooled import spec_runs
 
     spec = Path("results") / wildcards.machine / f"quality_{wildcards.version}" / "pooled.yaml"
-    return {"spec": str(spec), "scores": sorted(str(p) for run in spec_runs(spec) for p in (run / "evaluate").glob("*.json"))}
+    runs = spec_runs(spec)
+    return {"spec": str(spec), "scores": sorted(str(p) for run in runs for p in (run / "evaluate").glob("*.json")),
+            "inheritance": sorted(str(run / "tables" / "inheritance.csv") for run in runs
+                                  if any((run / "profile").glob("routing_*_sample.npz"))
+                                  and (run / "model" / "config.json").is_file())}
 
 
 # How far a committed run's routing still follows the expert groups its model was initialised with
