@@ -117,6 +117,29 @@ def load_matched_null(ids_NK: np.ndarray, group_of_expert_E: np.ndarray, rng: np
     return token_group_stats(null_ids, groups)
 
 
+def inheritance_index(share: float, share_random: float) -> float:
+    """(main-group share - its random value) / (1 - random value): 0 for routing that ignores the
+    groups, 1 when every token stays in one group (0 where one group holds every expert)."""
+    return (share - share_random) / (1 - share_random) if share_random < 1 else 0.0
+
+
+SUMMARY_COLUMNS = ("groups_spanned", "groups_spanned_random", "main_group_share", "main_group_share_random",
+                   "inheritance_index")
+
+
+def virtual_group_summary(ids_NK: np.ndarray, num_experts: int) -> dict[str, float]:
+    """One layer's routing [N, k] against the virtual-group map of E = `num_experts` experts:
+    `SUMMARY_COLUMNS` (no load-matched null); NaN where k does not divide E (no such map)."""
+    top_k = np.asarray(ids_NK).shape[1]
+    if top_k < 1 or num_experts % top_k:
+        return dict.fromkeys(SUMMARY_COLUMNS, float("nan"))
+    groups = virtual_group_map(num_experts, top_k)
+    spanned, share = token_group_stats(ids_NK, groups)
+    spanned_random, share_random = random_routing_expectation(groups, top_k)
+    return dict(zip(SUMMARY_COLUMNS, (spanned, spanned_random, share, share_random,
+                                      inheritance_index(share, share_random))))
+
+
 def group_inheritance(ids_LNK: np.ndarray, group_of_expert_E: np.ndarray, layers: list[int] | None = None,
                       basis: str = "inherited", seed: int = NULL_SEED) -> pd.DataFrame:
     """The per-layer table (module docstring) for routing `ids_LNK` [L, N, k] (or one layer [N, k]),
@@ -145,7 +168,7 @@ def group_inheritance(ids_LNK: np.ndarray, group_of_expert_E: np.ndarray, layers
                      "groups_spanned": spanned, "groups_spanned_random": spanned_random,
                      "groups_spanned_load_null": null_spanned, "main_group_share": share,
                      "main_group_share_random": share_random, "main_group_share_load_null": null_share,
-                     "inheritance_index": (share - share_random) / (1 - share_random) if share_random < 1 else 0.0})
+                     "inheritance_index": inheritance_index(share, share_random)})
     table = pd.DataFrame(rows)
     numeric = [c for c in table.columns if c not in ("layer", "basis", "tokens", "top_k", "groups")]
     mean = {**table.iloc[0][["tokens", "top_k", "groups", "basis"]].to_dict(), "layer": "mean",

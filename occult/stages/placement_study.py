@@ -6,7 +6,8 @@ intra-device pair share, max/mean device load, the predicted layer time (on both
 time taken. Every row also carries how far the layer's held-out routing follows the expert groups
 of virtual-group upcycling (expert j in group j mod E/k: `occult.routing.inheritance`), the
 groups a token spans and the share in its main group beside their random-routing values, and the
-inheritance index; for a model without initial groups these are a control near the random value. With `latency` it also writes the search's trade-off path (E[C_T] against load, with
+inheritance index; for a model without initial groups these are a control near the random value.
+With `latency` it also writes the search's trade-off path (E[C_T] against load, with
 every start marked) and the latency placement with R = 0, 1, 2 spare slots per device
 (`occult.stages.placement_latency`). `sensitivity` measures how
 E[C_T] on held-out text depends on the calibration size (prefixes of the calibration trace) and
@@ -33,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from occult.config import config_hash
+from occult.routing.inheritance import virtual_group_summary
 from occult.routing.latency import DEFAULT_TOKENS_PER_GPU, latency_search
 from occult.logs import ENV_LOG_JSON, progress, run_main
 from occult.routing.splits import RoutingSplits
@@ -273,7 +275,7 @@ def study_tables(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarr
             placer = _LayerPlacer(calib_NK, sp.num_experts, num_devices, search, seed + i, layer_cost)
             placed_here: dict[str, np.ndarray] = {}
             if (name, i) not in group_columns:
-                group_columns[name, i] = inheritance_columns(heldout_NK, sp.num_experts)
+                group_columns[name, i] = virtual_group_summary(heldout_NK, sp.num_experts)
             groups = group_columns[name, i]
             for method in methods:
                 row: dict[str, Any] = {
@@ -309,24 +311,6 @@ def study_tables(traces: Mapping[str, RoutingSplits | tuple[np.ndarray, np.ndarr
     frame = pd.DataFrame(rows)
     study = pd.concat([frame, _mean_rows(frame)], ignore_index=True)
     return StudyTables(study, pd.DataFrame(tradeoff), pd.DataFrame(replicas))
-
-
-def inheritance_columns(heldout_NK: np.ndarray, num_experts: int) -> dict[str, float]:
-    """The layer's held-out routing against the virtual-group map (`occult.routing.inheritance`):
-    groups spanned and main-group share with their random-routing values, and the inheritance
-    index; NaN where k does not divide E (no such map)."""
-    from occult.routing.inheritance import random_routing_expectation, token_group_stats, virtual_group_map
-
-    top_k = heldout_NK.shape[1]
-    names = ("groups_spanned", "groups_spanned_random", "main_group_share", "main_group_share_random",
-             "inheritance_index")
-    if num_experts % top_k:
-        return dict.fromkeys(names, float("nan"))
-    groups_E = virtual_group_map(num_experts, top_k)
-    spanned, share = token_group_stats(heldout_NK, groups_E)
-    spanned_random, share_random = random_routing_expectation(groups_E, top_k)
-    index = (share - share_random) / (1 - share_random) if share_random < 1 else 0.0
-    return dict(zip(names, (spanned, spanned_random, share, share_random, index)))
 
 
 def _mean_rows(frame: pd.DataFrame) -> pd.DataFrame:
