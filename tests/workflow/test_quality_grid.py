@@ -75,8 +75,10 @@ def test_the_grid_runs_over_two_base_models_and_resumes_from_finished_arms(tmp_p
     assert logs[0] != logs[1]                                              # two different base models
     pooled = pd.read_csv(tmp_path / TARGET)
     assert list(pooled.columns) == ["model_family", "claim", "estimate_pp", "stderr_pp", "between_base_sd_pp",
-                                    "base_models", "verdict"]
+                                    "base_models", "verdict", "inheritance_index", "inheritance_basis",
+                                    "inheritance_base_models"]
     assert set(pooled["model_family"]) == {"scratch"} and (pooled["base_models"] == 2).all()
+    assert (pooled["inheritance_base_models"] == 2).all() and set(pooled["inheritance_basis"]) == {"reference"}
 
     def cut_off(seed: int) -> None:
         """What a job cut off while scoring base model `seed` leaves: no record, nothing after it."""
