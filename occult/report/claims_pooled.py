@@ -145,8 +145,7 @@ def family_rows(claim: str, tables: list[tuple[str, str, pd.DataFrame]]) -> list
                 found[family] = FamilyRow(run, path, family, float(record["estimate_pp"]), float(record["stderr_pp"]),
                                           float(record["between_base_sd_pp"]), int(record["base_models"]),
                                           str(record["verdict"]), float(record.get("inheritance_index", math.nan)),
-                                          "" if pd.isna(record.get("inheritance_basis")) else
-                                          str(record.get("inheritance_basis", "")))
+                                          "" if pd.isna(basis := record.get("inheritance_basis")) else str(basis))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"{path}: claim {claim!r}, family {family!r}: {err}") from None
     rank = {family: i for i, family in enumerate(FAMILY_PRECEDENCE)}

@@ -535,7 +535,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--synthetic", nargs="*", default=list(SYNTHETIC_SHAPES), choices=list(SYNTHETIC_SHAPES))
     parser.add_argument("--synthetic-tokens", type=int, default=6000, help="tokens per split and layer")
     parser.add_argument("--synthetic-layers", type=int, default=2)
-    parser.add_argument("--max-profile-tokens", type=int, help="cap on each split of the profile traces (16 runs of consecutive tokens spread over the split)")
+    parser.add_argument("--max-profile-tokens", type=int,
+                        help="cap on each split of the profile traces (16 runs of consecutive tokens spread over it)")
     parser.add_argument("--sensitivity-methods", nargs="*", default=list(SENSITIVITY_METHODS), choices=STUDY_METHODS)
     parser.add_argument("--sensitivity-devices", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.05, 0.2, 0.5, 1.0])
