@@ -72,13 +72,18 @@ class FamilyRow:
     verdict: str
     inheritance_index: float = float("nan")
     inheritance_basis: str = ""
+    base_heldout_ppl: float = float("nan")
 
     @property
     def inheritance(self) -> str:
-        """`inheritance index I (basis)` of the family's routing, or "" where its table has none."""
-        if math.isnan(self.inheritance_index):
-            return ""
-        return f"inheritance index {self.inheritance_index:.2f} ({self.inheritance_basis})"
+        """`inheritance index I (basis)` of the family's routing, and its base models' mean held-out
+        perplexity, or "" where its table has neither."""
+        parts = []
+        if not math.isnan(self.inheritance_index):
+            parts.append(f"inheritance index {self.inheritance_index:.2f} ({self.inheritance_basis})")
+        if not math.isnan(self.base_heldout_ppl):
+            parts.append(f"base models' held-out perplexity {self.base_heldout_ppl:.2f}")
+        return ", ".join(parts)
 
     @property
     def spread(self) -> str:
@@ -145,7 +150,8 @@ def family_rows(claim: str, tables: list[tuple[str, str, pd.DataFrame]]) -> list
                 found[family] = FamilyRow(run, path, family, float(record["estimate_pp"]), float(record["stderr_pp"]),
                                           float(record["between_base_sd_pp"]), int(record["base_models"]),
                                           str(record["verdict"]), float(record.get("inheritance_index", math.nan)),
-                                          "" if pd.isna(basis := record.get("inheritance_basis")) else str(basis))
+                                          "" if pd.isna(basis := record.get("inheritance_basis")) else str(basis),
+                                          float(record.get("base_heldout_ppl", math.nan)))
             except (TypeError, ValueError) as err:
                 raise ValueError(f"{path}: claim {claim!r}, family {family!r}: {err}") from None
     rank = {family: i for i, family in enumerate(FAMILY_PRECEDENCE)}

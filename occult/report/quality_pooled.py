@@ -38,7 +38,10 @@ Each family's rows also carry how far its base models' routing follows the exper
 virtual-group upcycling (`inheritance_index`: the mean over base models of the held-out layer-mean
 index of `occult.routing.inheritance`, 0 = random, 1 = every token in one group;
 `inheritance_basis`: `inherited` for virtual-group models, `reference` for models without initial
-groups; `inheritance_base_models`: how many base models had a table; NaN and 0 where none had).
+groups; `inheritance_base_models`: how many base models had a table; NaN and 0 where none had),
+and the held-out perplexity its base models ended pre-training at (`base_heldout_ppl`: their mean,
+from each run's `model/pretrain_log.csv`; per base model in the per-base table; NaN where a run has
+no log), so that families of different quality are not compared unawares.
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ MARGIN_PP = 1.0
 MIN_STDERR_PP = 1e-6
 COLUMNS = ["model_family", "claim", "estimate_pp", "stderr_pp", "between_base_sd_pp", "base_models", "verdict"]
 INHERITANCE_COLUMNS = ["inheritance_index", "inheritance_basis", "inheritance_base_models"]
-BASE_COLUMNS = ["model_family", "claim", "base_model", "estimate_pp", "stderr_pp"]
+FAMILY_COLUMNS = INHERITANCE_COLUMNS + ["base_heldout_ppl"]
+BASE_COLUMNS = ["model_family", "claim", "base_model", "estimate_pp", "stderr_pp", "base_heldout_ppl"]
+PRETRAIN_LOG = "model/pretrain_log.csv"
 INHERITANCE_FILES = ("tables/inheritance.csv", "placement/inheritance.csv")
 KINDS = ("near", "below", "above", "either")
 
@@ -206,6 +211,21 @@ def run_inheritance(run: Path) -> tuple[float, str] | None:
     return float(means["inheritance_index"].iloc[0]), str(means["basis"].iloc[0])
 
 
+def final_heldout_ppl(run: Path) -> float:
+    """The held-out perplexity of a run's base model at its last evaluation in pre-training
+    (`model/pretrain_log.csv`, column `heldout_ppl`); NaN where the run keeps no such log."""
+    path = run / PRETRAIN_LOG
+    if not path.is_file():
+        return float("nan")
+    log = pd.read_csv(path)
+    if "heldout_ppl" not in log.columns:
+        raise ValueError(f"{path}: no column 'heldout_ppl' (occult.stages.pretrain writes one)")
+    values = log["heldout_ppl"].dropna()
+    if values.empty:
+        raise ValueError(f"{path}: column 'heldout_ppl' has no value")
+    return float(values.iloc[-1])
+
+
 def family_inheritance(bases: list[BaseModel]) -> dict[str, float | str | int]:
     """The `INHERITANCE_COLUMNS` of a family: the mean held-out inheritance index over the base
     models that have a table, their basis (`inherited`, `reference`, or `mixed`) and how many."""
@@ -219,13 +239,16 @@ def family_inheritance(bases: list[BaseModel]) -> dict[str, float | str | int]:
 
 
 def pooled_tables(families: dict[str, list[BaseModel]], devices: int) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(the pooled table in `COLUMNS` + `INHERITANCE_COLUMNS`, the per-base estimates in
+    """(the pooled table in `COLUMNS` + `FAMILY_COLUMNS`, the per-base estimates in
     `BASE_COLUMNS`); a claim no base model of a family measured is left out for that family. The
-    inheritance columns repeat on every row of a family: how far its base models' routing still
-    follows the virtual groups (`run_inheritance`)."""
+    family columns repeat on every row of a family: how far its base models' routing still follows
+    the virtual groups (`run_inheritance`) and the perplexity they ended pre-training at."""
     rows, base_rows = [], []
     for family, bases in families.items():
-        inheritance = family_inheritance(bases)
+        ppl = {base.name: final_heldout_ppl(base.run) for base in bases}
+        with_ppl = [v for v in ppl.values() if not math.isnan(v)]
+        family_values = {**family_inheritance(bases),
+                         "base_heldout_ppl": float(np.mean(with_ppl)) if with_ppl else float("nan")}
         loaded = [(base, load_arms(base)) for base in bases]
         for claim in claims_at(devices):
             per_base = []
@@ -234,14 +257,15 @@ def pooled_tables(families: dict[str, list[BaseModel]], devices: int) -> tuple[p
                 if found is not None:
                     per_base.append(found)
                     base_rows.append({"model_family": family, "claim": claim.name, "base_model": base.name,
-                                      "estimate_pp": found[0], "stderr_pp": found[1]})
+                                      "estimate_pp": found[0], "stderr_pp": found[1],
+                                      "base_heldout_ppl": ppl[base.name]})
             if not per_base:
                 continue
             mu, se, tau = pool([y for y, _ in per_base], [s for _, s in per_base])
             rows.append({"model_family": family, "claim": claim.name, "estimate_pp": mu, "stderr_pp": se,
                          "between_base_sd_pp": tau, "base_models": len(per_base),
-                         "verdict": verdict(claim, mu, se, per_base), **inheritance})
-    return (pd.DataFrame(rows, columns=COLUMNS + INHERITANCE_COLUMNS),
+                         "verdict": verdict(claim, mu, se, per_base), **family_values})
+    return (pd.DataFrame(rows, columns=COLUMNS + FAMILY_COLUMNS),
             pd.DataFrame(base_rows, columns=BASE_COLUMNS))
 
 

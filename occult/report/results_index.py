@@ -1,7 +1,8 @@
 """The index of committed result runs: one `results/<machine>/index.csv` per machine (results/README.md).
 
 Each row names a run folder, what it measures (`kind`), the commit and target that made it, whether
-it is `current`, `superseded` (by `superseded_by`) or `invalid`, whether its folder is still in the
+it is `current`, `superseded` (by `superseded_by`), `invalid` or `partial` (stopped before its
+targets finished), whether its folder is still in the
 tree, and what still reads it (`used_by`). `load_index` reads every machine's index and checks it
 against the tree; a bad row raises one `ResultsIndexError` naming the file, the run and the field.
 """
@@ -13,8 +14,8 @@ from pathlib import Path
 import pandas as pd
 
 COLUMNS = ("run", "kind", "commit", "target", "status", "superseded_by", "in_tree", "used_by", "note")
-STATUSES = ("current", "superseded", "invalid")
-USES = ("simulator", "figures", "claims")
+STATUSES = ("current", "superseded", "invalid", "partial")
+USES = ("simulator", "figures", "claims", "docs")
 INDEX_NAME = "index.csv"
 
 
@@ -44,8 +45,8 @@ def read_machine_index(path: Path) -> pd.DataFrame:
             raise ResultsIndexError(f"{where}: field 'status' is {row.status!r}, not one of {', '.join(STATUSES)}")
         if row.status == "superseded" and not row.superseded_by:
             raise ResultsIndexError(f"{where}: field 'superseded_by' is empty for a superseded run")
-        if row.status == "current" and row.superseded_by:
-            raise ResultsIndexError(f"{where}: field 'superseded_by' is set for a current run")
+        if row.status in ("current", "partial") and row.superseded_by:
+            raise ResultsIndexError(f"{where}: field 'superseded_by' is set for a {row.status} run")
         unknown = [u for u in row.used_by.split(";") if u and u not in USES]
         if unknown:
             raise ResultsIndexError(f"{where}: field 'used_by' has {unknown[0]!r}, not one of {', '.join(USES)}")

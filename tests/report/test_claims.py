@@ -233,18 +233,20 @@ def test_a_pooled_claim_takes_the_virtual_groups_row_and_marks_one_base_model_pr
     assert "Provisional" not in beats["note"]
 
 
-def test_a_pooled_row_names_its_family_s_inheritance_where_the_table_has_it(tmp_path):
+def test_a_pooled_row_names_its_family_s_inheritance_and_perplexity_where_the_table_has_them(tmp_path):
     with_it, without = tmp_path / "q5", tmp_path / "q4"
     path = write_pooled(with_it, [("drop", NEAR, -0.5, 0.4, 0.3, 2, "holds"),
                                   ("virtual_groups", NEAR, 0.1, 0.2, 0.1, 2, "holds")])
     table = pd.read_csv(path)
     table["inheritance_index"], table["inheritance_basis"] = [0.013, 0.458], ["reference", "inherited"]
+    table["base_heldout_ppl"] = [6.412, 5.119]
     table.to_csv(path, index=False)
     write_pooled(without, [("virtual_groups", NEAR, 0.1, 0.2, 0.1, 2, "holds")])    # a table without the columns
     first, second = run_claims(tmp_path, [pooled_claim("a", with_it), pooled_claim("b", without)]).to_dict("records")
-    assert "pooled verdict holds; its routing's inheritance index 0.01 (reference)" in first["note"]
-    assert "inheritance index 0.46 (inherited)" in first["note"]                    # the context row
-    assert "inheritance" not in second["note"]
+    assert ("pooled verdict holds; its routing's inheritance index 0.01 (reference), "
+            "base models' held-out perplexity 6.41") in first["note"]
+    assert "inheritance index 0.46 (inherited), base models' held-out perplexity 5.12" in first["note"]  # context
+    assert "inheritance" not in second["note"] and "perplexity" not in second["note"]
 
 
 def test_a_drop_row_decides_and_the_virtual_groups_row_becomes_context(tmp_path):

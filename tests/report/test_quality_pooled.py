@@ -12,6 +12,7 @@ import yaml
 
 from occult.report.quality_pooled import (
     COLUMNS,
+    FAMILY_COLUMNS,
     INHERITANCE_COLUMNS,
     MARGIN_PP,
     BaseModel,
@@ -86,8 +87,9 @@ def test_consistent_base_models_settle_a_claim(tmp_path):
     shifts = {"prune1-router-D8-keep-moe": -0.03, "prune1-sim-D8-keep-moe": -0.03, "raw": -0.02}
     runs = [write_run(tmp_path, f"b{i}", shifts, seed=i) for i in range(2)]
     table, bases = pooled_tables({"family": [BaseModel(r) for r in runs]}, devices=8)
-    assert list(table.columns) == COLUMNS + INHERITANCE_COLUMNS
+    assert list(table.columns) == COLUMNS + FAMILY_COLUMNS
     assert table["inheritance_base_models"].eq(0).all() and table["inheritance_index"].isna().all()
+    assert table["base_heldout_ppl"].isna().all() and bases["base_heldout_ppl"].isna().all()   # no pretrain logs
     row = table.set_index("claim").loc["N_d=1 hurts (kept gates)"]
     assert row["estimate_pp"] == pytest.approx(-3.0, abs=1e-9) and row["base_models"] == 2
     assert row["between_base_sd_pp"] == pytest.approx(0.0) and row["verdict"] == "holds"
@@ -120,6 +122,31 @@ def test_each_family_carries_its_base_models_inheritance(tmp_path):
     assert families.loc["virtual_groups", "inheritance_base_models"] == [2]
     assert families.loc["drop", "inheritance_index"] == [pytest.approx(-0.01)]
     assert families.loc["drop", "inheritance_basis"] == ["reference"]
+
+
+def write_pretrain_log(run, heldout_ppl: list[float | None]) -> None:
+    """A pre-training log (occult.stages.pretrain's columns) evaluated where `heldout_ppl` is not None."""
+    (run / "model").mkdir(parents=True, exist_ok=True)
+    pd.DataFrame({"step": range(1, len(heldout_ppl) + 1), "train_loss": 2.0,
+                  "heldout_ppl": heldout_ppl}).to_csv(run / "model" / "pretrain_log.csv", index=False)
+
+
+def test_each_family_and_base_model_carries_its_final_heldout_perplexity(tmp_path):
+    groups = [write_run(tmp_path, f"g{i}", {}, seed=i) for i in range(2)]
+    drop = [write_run(tmp_path, f"d{i}", {}, seed=10 + i) for i in range(2)]
+    write_pretrain_log(groups[0], [6.1, None, 5.1, None])        # the last evaluation, not the last row
+    write_pretrain_log(groups[1], [6.2, 5.3])
+    write_pretrain_log(drop[0], [90.0, 7.0, 6.4])
+    table, bases = pooled_tables({"virtual_groups": [BaseModel(r) for r in groups],
+                                  "drop": [BaseModel(r) for r in drop]}, devices=8)
+    per_family = table.groupby("model_family")["base_heldout_ppl"].agg(lambda c: c.unique().tolist())
+    assert per_family["virtual_groups"] == [pytest.approx(5.2)]
+    assert per_family["drop"] == [pytest.approx(6.4)]               # d1 has no log: left out of the mean
+    per_base = bases.groupby("base_model")["base_heldout_ppl"].first()
+    assert per_base["g0"] == pytest.approx(5.1) and per_base["d0"] == pytest.approx(6.4) and np.isnan(per_base["d1"])
+    write_pretrain_log(drop[1], [None, None])
+    with pytest.raises(ValueError, match=r"d1/model/pretrain_log.csv: column 'heldout_ppl' has no value"):
+        pooled_tables({"drop": [BaseModel(r) for r in drop]}, devices=8)
 
 
 def test_between_base_spread_that_dominates_leaves_a_claim_unsettled_or_mixed(tmp_path):
@@ -165,7 +192,7 @@ def test_cli_reads_a_spec_and_writes_the_table_bases_and_figure(tmp_path):
     out = tmp_path / "tables" / "verdicts_pooled.csv"
     assert main(["--spec", str(spec), "--out", str(out), "--figure", str(tmp_path / "pooled.png")]) == 0
     table = pd.read_csv(out)
-    assert list(table.columns) == COLUMNS + INHERITANCE_COLUMNS and set(table["model_family"]) == {"drop", "virtual_groups"}
+    assert list(table.columns) == COLUMNS + FAMILY_COLUMNS and set(table["model_family"]) == {"drop", "virtual_groups"}
     assert pd.read_csv(tmp_path / "tables" / "verdicts_pooled_bases.csv")["base_model"].nunique() == 2
     assert (tmp_path / "pooled.png").stat().st_size > 1000
     assert main(["--family", "drop", "--runs", str(runs[0]), "--out", str(tmp_path / "one.csv")]) == 0

@@ -47,6 +47,7 @@ def tree(tmp_path: Path) -> Path:
         row("sweeps_v3"),
         row("kernels_v1", kind="kernels", status="invalid", in_tree="no"),
         row("kernels_v2", kind="kernels"),
+        row("kernels_v3", kind="kernels", status="partial"),
     ])
     write_machine(tmp_path, "gpu-b", [row("sweeps_v1", status="superseded", superseded_by="gpu-a/sweeps_v3")])
     return tmp_path
@@ -55,7 +56,7 @@ def tree(tmp_path: Path) -> Path:
 def test_load_index_adds_the_machine_and_keeps_every_row(tree):
     index = load_index(tree)
     assert list(index.columns) == ["machine", *COLUMNS]
-    assert len(index) == 6
+    assert len(index) == 7
     assert sorted(set(index["machine"])) == ["gpu-a", "gpu-b"]
     assert index.loc[(index["machine"] == "gpu-a") & (index["run"] == "sweeps_v2"), "used_by"].item() == "simulator;claims"
 
@@ -78,7 +79,8 @@ def test_missing_column_names_the_file_and_the_column(tmp_path):
     (row("sweeps_v1", status="stale"), "status"),
     (row("sweeps_v1", status="superseded"), "superseded_by"),
     (row("sweeps_v1", superseded_by="sweeps_v0"), "superseded_by"),
-    (row("sweeps_v1", used_by="docs"), "used_by"),
+    (row("sweeps_v1", status="partial", superseded_by="sweeps_v0"), "superseded_by"),
+    (row("sweeps_v1", used_by="notes"), "used_by"),
     (row("sweeps_v1", in_tree="maybe"), "in_tree"),
     ({**row("sweeps_v1"), "commit": ""}, "commit"),
 ])
