@@ -13,12 +13,14 @@ swap touches two devices' columns of the per-device-pair row table and two devic
 candidate swap of an expert is priced from per-expert tables, not by a pass over the trace.
 
 The search fits the trace it is given, sampling noise in the expert loads included. So it runs on a
-fit part of the trace and the returned placement is the fastest on the rest (`validation_runs`):
-of the search result and every start, the one of lowest mean predicted time over the held-back
-stretches of the trace, each priced as a batch of its own. A stretch is consecutive tokens, so
-documents and sources whose experts differ weigh as they would in a batch drawn from them, and a
-placement balanced only for the trace's pooled mix does not win on that alone. Stretches shorter
-than `MIN_STRETCH_TOKENS` are priced together.
+fit part of the trace, and its result replaces the start placement of lowest predicted time on the
+whole trace (the data every start was placed from) only where it is also faster on the rest
+(`validation_runs`): the mean predicted time over the held-back stretches of the trace, each priced
+as a batch of its own. A stretch is consecutive tokens, so documents and sources whose experts
+differ weigh as they would in a batch drawn from them, and a result balanced only for the fit
+part's pooled mix does not win on that alone. Stretches shorter than `MIN_STRETCH_TOKENS` are
+priced together. The starts are compared on the whole trace, not on the stretches: each was placed
+from all of it, and on short stretches their differences are mostly sampling noise.
 """
 
 from __future__ import annotations
@@ -124,8 +126,9 @@ class LatencyResult:
 
     `start`, `final` and `starts` are predictions on the whole trace; `validation` holds each
     candidate's (every start and "search", the search's own result) mean predicted time over the
-    validation stretches (ms; `validation_runs`), and `chosen` names the one returned (the fastest
-    there)."""
+    validation stretches (ms; `validation_runs`), and `chosen` names the one returned: "search"
+    where it is faster there than the start of lowest predicted time on the whole trace, else
+    that start."""
 
     device_of_expert: np.ndarray
     start_method: str
@@ -476,7 +479,7 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
                    rounds: int = 20, seed: int = 0, kicks: int = 4, kick_swaps: int = 3,
                    path_sample: int = 3, path_points: int = PATH_POINTS, validate: bool = True) -> LatencyResult:
     """The placement of lowest predicted layer time: swap descent on the fit part of the trace,
-    then the fastest over its validation stretches of the descent's result and every start.
+    kept where it beats the best start on the validation stretches.
 
     With `validate` (default), the trace splits into a fit part and a validation part
     (`validation_runs`); otherwise both are the whole trace. The descent begins at the start of
@@ -484,13 +487,14 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
     best swap if it lowers the GPU time, or keeps it and lowers the sum of the devices' times, as in
     `swap_search`; then `kicks` perturb-and-descend restarts, kept when better on the fit part. The
     descent's result and every start are priced on each validation stretch as a batch of its own
-    (`stretch_key`) and the lowest mean is returned (ties: the first start, the descent last), so the
-    result is never predicted slower there than any start: the search's gains on the fit tokens
-    count only where they carry to stretches of tokens it did not fit. Stretches shorter than
-    `MIN_STRETCH_TOKENS` (a sample too small to price a batch's busiest device) are priced together,
-    and without validation the one stretch is the whole trace. `path` holds up to `path_points` of the candidates visited
-    (`path_sample` random ones per expert visit, and every move made): E[C_T] and load of the fit
-    part, and predicted time.
+    (`stretch_key`). The result returned is the descent's where its mean there is lower than that of
+    the start of lowest predicted time on the whole trace (ties: the first given), else that start:
+    the search's gains on the fit tokens count only where they carry to stretches of tokens it did
+    not fit, and the starts, each placed from the whole trace, are compared on all of it. Stretches
+    shorter than `MIN_STRETCH_TOKENS` (a sample too small to price a batch's busiest device) are
+    priced together, and without validation the one stretch is the whole trace. `path` holds up to
+    `path_points` of the candidates visited (`path_sample` random ones per expert visit, and every
+    move made): E[C_T] and load of the fit part, and predicted time.
     """
     if not starts:
         raise ValueError("latency_search: no start placement given")
@@ -534,7 +538,8 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
                     best, best_value = state.dev.copy(), state.value()
     candidates = {**checked, "search": best}
     keys = {name: stretch_key(layer, stretches, p, num_devices) for name, p in candidates.items()}
-    chosen = min(keys, key=keys.__getitem__)
+    best_start = min(priced, key=lambda name: priced[name].key())
+    chosen = "search" if keys["search"] < keys[best_start] else best_start
     validation = {name: key[0] for name, key in keys.items()}
     placed = candidates[chosen]
     final = priced[chosen] if chosen in priced else layer.predict(ids_NK, placed, num_devices)
