@@ -76,8 +76,11 @@ def test_the_grid_runs_over_two_base_models_and_resumes_from_finished_arms(tmp_p
     pooled = pd.read_csv(tmp_path / TARGET)
     assert list(pooled.columns) == ["model_family", "claim", "estimate_pp", "stderr_pp", "between_base_sd_pp",
                                     "base_models", "verdict", "inheritance_index", "inheritance_basis",
-                                    "inheritance_base_models"]
+                                    "inheritance_base_models", "base_heldout_ppl"]
     assert set(pooled["model_family"]) == {"scratch"} and (pooled["base_models"] == 2).all()
+    final_ppl = [pd.read_csv(results / f"s{s}" / "model" / "pretrain_log.csv")["heldout_ppl"].dropna().iloc[-1]
+                 for s in (0, 1)]
+    assert pooled["base_heldout_ppl"].to_numpy() == pytest.approx(sum(final_ppl) / 2, rel=1e-5)    # 6 digits written
     assert (pooled["inheritance_base_models"] == 2).all() and set(pooled["inheritance_basis"]) == {"reference"}
 
     def cut_off(seed: int) -> None:
