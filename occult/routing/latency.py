@@ -479,7 +479,8 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
                    rounds: int = 20, seed: int = 0, kicks: int = 4, kick_swaps: int = 3,
                    path_sample: int = 3, path_points: int = PATH_POINTS, validate: bool = True) -> LatencyResult:
     """The placement of lowest predicted layer time: swap descent on the fit part of the trace,
-    kept where it beats the best start on the validation stretches.
+    kept where it beats the best start on the validation stretches and is not slower on the whole
+    trace.
 
     With `validate` (default), the trace splits into a fit part and a validation part
     (`validation_runs`); otherwise both are the whole trace. The descent begins at the start of
@@ -488,9 +489,11 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
     `swap_search`; then `kicks` perturb-and-descend restarts, kept when better on the fit part. The
     descent's result and every start are priced on each validation stretch as a batch of its own
     (`stretch_key`). The result returned is the descent's where its mean there is lower than that of
-    the start of lowest predicted time on the whole trace (ties: the first given), else that start:
-    the search's gains on the fit tokens count only where they carry to stretches of tokens it did
-    not fit, and the starts, each placed from the whole trace, are compared on all of it. Stretches
+    the start of lowest predicted time on the whole trace (ties: the first given) and it is not slower
+    than that start on the whole trace, else that start: the search's gains on the fit tokens count
+    only where they carry to stretches of tokens it did not fit, the starts, each placed from the
+    whole trace, are compared on all of it, and the result is never predicted slower than the best
+    start on the trace it was given. Stretches
     shorter than `MIN_STRETCH_TOKENS` (a sample too small to price a batch's busiest device) are
     priced together, and without validation the one stretch is the whole trace. `path` holds up to
     `path_points` of the candidates visited (`path_sample` random ones per expert visit, and every
@@ -539,10 +542,12 @@ def latency_search(ids_NK: np.ndarray, num_devices: int, layer: LayerCost, start
     candidates = {**checked, "search": best}
     keys = {name: stretch_key(layer, stretches, p, num_devices) for name, p in candidates.items()}
     best_start = min(priced, key=lambda name: priced[name].key())
-    chosen = "search" if keys["search"] < keys[best_start] else best_start
+    searched = layer.predict(ids_NK, best, num_devices)
+    wins = keys["search"] < keys[best_start] and searched.key() <= priced[best_start].key()
+    chosen = "search" if wins else best_start
     validation = {name: key[0] for name, key in keys.items()}
     placed = candidates[chosen]
-    final = priced[chosen] if chosen in priced else layer.predict(ids_NK, placed, num_devices)
+    final = priced[chosen] if chosen in priced else searched
     table = path.table(layer, num_devices, path_points) if path is not None else {}
     return LatencyResult(placed, start_method, priced[start_method], final, priced, table, swaps,
                          time.perf_counter() - begun, validation, chosen)
