@@ -5,9 +5,10 @@ pooled over the family's base models (`estimate_pp`, `stderr_pp`, `between_base_
 `base_models`) and its verdict. A claim of the paper names one pooled claim and the runs whose
 tables hold it, latest first; each family's row is taken from the first of those tables that has
 it. Which family tests the paper's claim (`FAMILY_PRECEDENCE`): `drop`, whose experts start without
-the dense model's groups, wherever a table has it; otherwise `virtual_groups`, whose routing still
-follows the groups it was upcycled with (docs/quality.md); otherwise the first other family by name.
-The other families' rows are context in the note.
+the dense model's groups; otherwise `virtual_groups`, whose routing still follows the groups it was
+upcycled with (docs/quality.md); otherwise the first other family by name. A family decides only
+with at least `MIN_DECIDING_BASE_MODELS` base models; where none has that many, the first family
+decides and the row is provisional. The other families' rows are context in the note.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from occult.report.quality_pooled import COLUMNS as POOLED_COLUMNS
 
 POOLED_FILE = "tables/verdicts_pooled.csv"
 FAMILY_PRECEDENCE = ("drop", "virtual_groups")
+MIN_DECIDING_BASE_MODELS = 2
 ONE_BASE_SUFFIX = " (one base model)"
 NO_DIFFERENCE = "no difference"
 ONE_SIDED = {"holds": "reproduced", "does not hold": "refuted", "mixed": "mixed",
@@ -120,8 +122,13 @@ class PooledReading:
         if test.base_models == 1:
             parts.append("Provisional: one base model")
         if test.family != "drop":
-            parts.append("No table read here has the drop family (experts that start without the dense "
-                         "model's groups), which would decide before it")
+            drop = next((row for row in self.context if row.family == "drop"), None)
+            if drop is None:
+                parts.append("No table read here has the drop family (experts that start without the dense "
+                             "model's groups), which would decide before it")
+            else:
+                parts.append(f"The drop family (experts that start without the dense model's groups) decides "
+                             f"once it has {MIN_DECIDING_BASE_MODELS} base models; it has {drop.base_models}")
         parts += [f"Context, {row.summary()}" for row in self.context]
         return ". ".join(parts)
 
@@ -159,15 +166,16 @@ def family_rows(claim: str, tables: list[tuple[str, str, pd.DataFrame]]) -> list
 
 
 def pooled_reading(claim: str, expect: str | None, tables: list[tuple[str, str, pd.DataFrame]]) -> PooledReading:
-    """The claim's reading from the pooled tables (latest first): the deciding family's row, the
+    """The claim's reading from the pooled tables (latest first): the deciding family's row (the
+    first by precedence with at least `MIN_DECIDING_BASE_MODELS` base models, else the first), the
     others as context, and its verdict in the claims vocabulary."""
     rows = family_rows(claim, tables)
     if not rows:
         known = sorted({c for _, _, frame in tables for c in frame["claim"].astype(str)})
         raise ValueError(f"{', '.join(path for _, path, _ in tables)}: no pooled claim {claim!r}; known: {known}")
-    test = rows[0]
+    test = next((row for row in rows if row.base_models >= MIN_DECIDING_BASE_MODELS), rows[0])
     try:
         verdict = claim_verdict(test.verdict, expect)
     except ValueError as err:
         raise ValueError(f"{test.file}: claim {claim!r}, family {test.family!r}: {err}") from None
-    return PooledReading(test, tuple(rows[1:]), verdict)
+    return PooledReading(test, tuple(row for row in rows if row is not test), verdict)

@@ -254,7 +254,7 @@ def test_a_drop_row_decides_and_the_virtual_groups_row_becomes_context(tmp_path)
     write_pooled(groups, [("virtual_groups", NEAR, -0.25, 0.5, float("nan"), 1, "holds (one base model)")])
     write_pooled(drop, [("drop", NEAR, -2.5, 0.4, 0.3, 3, "does not hold")])
     write_pooled(both, [("virtual_groups", NEAR, 0.1, 0.2, 0.1, 3, "holds"),
-                        ("drop", NEAR, -0.5, 0.6, float("nan"), 1, "not settled (one base model)")])
+                        ("drop", NEAR, -0.5, 0.6, 0.2, 2, "not settled")])
     first, second = run_claims(tmp_path, [pooled_claim("a", groups, [drop]),
                                           pooled_claim("b", both, [drop, groups])]).to_dict("records")
     # a: the drop table is listed after the virtual_groups one and still decides
@@ -264,11 +264,29 @@ def test_a_drop_row_decides_and_the_virtual_groups_row_becomes_context(tmp_path)
     assert f"Context, virtual_groups family ({groups}): -0.25" in first["note"]
     # b: one table with both families; each family's row comes from the first table that has it
     assert second["our_value"] == pytest.approx(-0.5) and second["verdict"] == "not measurable here"
-    assert second["source_run"] == str(both) and "Provisional: one base model" in second["note"]
+    assert second["source_run"] == str(both) and "Provisional" not in second["note"]
     assert f"Context, virtual_groups family ({both}): +0.1" in second["note"]
     assert str(groups) not in second["note"]
     assert claims.spec_inputs(tmp_path / "spec.yaml")[:2] == [str(groups / "tables" / "verdicts_pooled.csv"),
                                                               str(drop / "tables" / "verdicts_pooled.csv")]
+
+
+def test_a_family_with_one_base_model_waits_behind_one_with_several(tmp_path):
+    """A drop row of one base model does not overrule a virtual_groups row pooled over three: it is
+    context, and the note says when it would decide. Where no family has two base models, the first
+    by precedence decides, provisionally."""
+    both, alone = tmp_path / "q5", tmp_path / "drop_v1"
+    write_pooled(both, [("virtual_groups", NEAR, 0.1, 0.2, 0.1, 3, "holds"),
+                        ("drop", NEAR, -0.5, 0.6, float("nan"), 1, "not settled (one base model)")])
+    write_pooled(alone, [("virtual_groups", NEAR, 0.3, 0.4, float("nan"), 1, "holds (one base model)"),
+                         ("drop", NEAR, -0.5, 0.6, float("nan"), 1, "not settled (one base model)")])
+    first, second = run_claims(tmp_path, [pooled_claim("a", both), pooled_claim("b", alone)]).to_dict("records")
+    assert first["our_value"] == pytest.approx(0.1) and first["verdict"] == "reproduced"
+    assert "Model family virtual_groups: 3 base models" in first["note"] and "Provisional" not in first["note"]
+    assert "The drop family (experts that start without the dense model's groups) decides once it has 2 base models; it has 1" in first["note"]
+    assert f"Context, drop family ({both}): -0.5" in first["note"]
+    assert second["our_value"] == pytest.approx(-0.5) and second["verdict"] == "not measurable here"
+    assert "Model family drop" in second["note"] and "Provisional: one base model" in second["note"]
 
 
 def test_pooled_tables_and_claims_that_do_not_fit_are_named(tmp_path):
