@@ -15,8 +15,8 @@ candidate swap of an expert is priced from per-expert tables, not by a pass over
 The search fits the trace it is given, sampling noise in the expert loads included. So it runs on a
 fit part of the trace, and its result replaces the start placement of lowest predicted time on the
 whole trace (the data every start was placed from) only where it is also faster on the rest
-(`validation_runs`): the mean predicted time over the held-back stretches of the trace, each priced
-as a batch of its own. A stretch is consecutive tokens, so documents and sources whose experts
+(`validation_runs`: the mean predicted time over the held-back stretches of the trace, each priced
+as a batch of its own) and not slower on the whole trace. A stretch is consecutive tokens, so documents and sources whose experts
 differ weigh as they would in a batch drawn from them, and a result balanced only for the fit
 part's pooled mix does not win on that alone. Stretches shorter than `MIN_STRETCH_TOKENS` are
 priced together. The starts are compared on the whole trace, not on the stretches: each was placed
@@ -127,8 +127,8 @@ class LatencyResult:
     `start`, `final` and `starts` are predictions on the whole trace; `validation` holds each
     candidate's (every start and "search", the search's own result) mean predicted time over the
     validation stretches (ms; `validation_runs`), and `chosen` names the one returned: "search"
-    where it is faster there than the start of lowest predicted time on the whole trace, else
-    that start."""
+    where it is faster there than the start of lowest predicted time on the whole trace and not
+    slower than that start on the whole trace, else that start."""
 
     device_of_expert: np.ndarray
     start_method: str
