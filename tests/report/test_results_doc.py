@@ -39,11 +39,11 @@ FILES = [
     "results/nvidia-h200/quality_upcycle_v4/tables/inheritance.csv",
     "results/nvidia-h200/quality_upcycle_v4/tables/verdicts_pooled.csv",
     "results/nvidia-h200/quality_upcycle_v4/tables/verdicts_pooled_bases.csv",
-    "results/cpu-x86/placement_latency_v6/study.csv",
-    "results/cpu-x86/placement_latency_v6/latency_summary.csv",
-    "results/cpu-x86/placement_latency_v6/latency_replicas.csv",
-    "results/cpu-x86/placement_latency_v6/latency_tradeoff_first_layer.csv",
-    "results/cpu-x86/placement_latency_drop_v1/latency_summary.csv",
+    "results/cpu-x86/placement_latency_v7/study.csv",
+    "results/cpu-x86/placement_latency_v7/latency_summary.csv",
+    "results/cpu-x86/placement_latency_v7/latency_replicas.csv",
+    "results/cpu-x86/placement_latency_v7/latency_tradeoff_first_layer.csv",
+    "results/cpu-x86/placement_latency_drop_v2/latency_summary.csv",
     "results/nvidia-h200/index.csv",
 ]
 # Columns the page names as a family rather than one by one.
