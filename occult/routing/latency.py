@@ -19,8 +19,9 @@ whole trace (the data every start was placed from) only where it is also faster 
 as a batch of its own) and not slower on the whole trace. A stretch is consecutive tokens, so
 documents and sources whose experts differ weigh as they would in a batch drawn from them, and a
 result balanced only for the fit part's pooled mix does not win on that alone. Stretches shorter
-than `MIN_STRETCH_TOKENS` are priced together. The starts are compared on the whole trace, not on the stretches: each was placed
-from all of it, and on short stretches their differences are mostly sampling noise.
+than `MIN_STRETCH_TOKENS` are priced together. The starts are compared on the whole trace, not on
+the stretches: each was placed from all of it, and on short stretches their differences are mostly
+sampling noise.
 """
 
 from __future__ import annotations
